@@ -1,0 +1,1 @@
+"""xformer: Transformer and Transformer-XL experiments in JAX/Flax NNX."""

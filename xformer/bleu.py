@@ -1,0 +1,46 @@
+"""BLEU as reported for translation: sacreBLEU and the lowercased, tokenized Multi30k convention.
+
+Multi30k papers score lowercased, punctuation-normalised, Moses-tokenized text (upstream
+scripts/task1-tokenize.sh) with multi-bleu. `moses_lc_tok` reproduces that preprocessing exactly
+on the upstream test sets, so both hypotheses and references can be taken from raw text.
+"""
+
+import dataclasses
+import functools
+
+import sacrebleu
+import sacremoses
+
+
+@dataclasses.dataclass(frozen=True)
+class BleuReport:
+    sacrebleu: float  # cased, detokenized, sacreBLEU default 13a tokenization
+    signature: str
+    lc_tok_bleu: float  # lowercased + Moses-tokenized, as in Multi30k papers
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@functools.cache
+def _moses(lang: str) -> tuple[sacremoses.MosesPunctNormalizer, sacremoses.MosesTokenizer]:
+    return sacremoses.MosesPunctNormalizer(lang=lang), sacremoses.MosesTokenizer(lang=lang)
+
+
+def moses_lc_tok(line: str, lang: str) -> str:
+    """lowercase -> normalize-punctuation.perl -> tokenizer.perl, as upstream Multi30k does."""
+    normalizer, tokenizer = _moses(lang)
+    return tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True, return_str=True)
+
+
+def bleu_report(hypotheses: list[str], references: list[str], lang: str) -> BleuReport:
+    """Corpus BLEU of detokenized hypotheses against raw references (one per line)."""
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses vs {len(references)} references")
+    metric = sacrebleu.BLEU()
+    cased = metric.corpus_score(hypotheses, [references])
+    tok = sacrebleu.BLEU(tokenize="none", force=True).corpus_score(
+        [moses_lc_tok(h, lang) for h in hypotheses],
+        [[moses_lc_tok(r, lang) for r in references]],
+    )
+    return BleuReport(cased.score, str(metric.get_signature()), tok.score)

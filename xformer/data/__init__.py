@@ -1,0 +1,1 @@
+"""Dataset builders, tokenizers and input pipelines."""

@@ -1,0 +1,127 @@
+"""Translation input pipelines: tokenized pairs -> packed training batches and eval batches.
+
+Training rows are fixed-shape [batch, max_train_length] packs of several sentence pairs (first-fit
+packing through grain), described by segment ids (0 = padding) and per-segment positions. The
+decoder input of each pair is BOS + target and its label is target + EOS, so they pack with
+identical layouts and the shift never crosses an example boundary.
+"""
+
+import dataclasses
+
+import grain
+import jax
+import numpy as np
+from grain import experimental as grain_exp
+
+from xformer.data.tokenizer import BOS_ID, PAD_ID, Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedPairs:
+    """Token ids of aligned sentence pairs (each ends with EOS)."""
+
+    src: list[np.ndarray]
+    tgt: list[np.ndarray]
+
+    def __post_init__(self):
+        if len(self.src) != len(self.tgt):
+            raise ValueError(f"{len(self.src)} source vs {len(self.tgt)} target sentences")
+
+    @classmethod
+    def from_text(
+        cls, src: list[str], tgt: list[str], src_tok: Tokenizer, tgt_tok: Tokenizer
+    ) -> "EncodedPairs":
+        return cls(src_tok.encode(src), tgt_tok.encode(tgt))
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def num_tokens(self) -> tuple[int, int]:
+        return sum(map(len, self.src)), sum(map(len, self.tgt))
+
+
+def _example(src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
+    return {
+        "src": src,
+        "tgt_in": np.concatenate([[BOS_ID], tgt[:-1]]).astype(np.int32),
+        "tgt_out": tgt,
+    }
+
+
+def _rename_packed(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {
+        "src": batch["src"],
+        "src_segments": batch["src_segment_ids"],
+        "src_positions": batch["src_positions"],
+        "tgt_in": batch["tgt_in"],
+        "tgt_out": batch["tgt_out"],
+        "tgt_segments": batch["tgt_out_segment_ids"],
+        "tgt_positions": batch["tgt_out_positions"],
+    }
+
+
+def packed_train_dataset(
+    pairs: EncodedPairs,
+    *,
+    batch_size: int,
+    max_length: int,
+    seed: int,
+    num_packing_bins: int = 0,
+    repeat: bool = True,
+    shuffle: bool = True,
+) -> grain.IterDataset:
+    """Shuffled (reshuffled every epoch), packed batches of this process's share of `pairs`.
+
+    Pairs with a side longer than max_length are dropped (training only). batch_size is the
+    per-process number of rows. Each element maps names to int32 arrays [batch_size, max_length].
+    """
+    keep = [
+        i
+        for i in range(len(pairs))
+        if len(pairs.src[i]) <= max_length and len(pairs.tgt[i]) <= max_length
+    ]
+    if not keep:
+        raise ValueError(f"no training pair fits data.max_train_length={max_length}")
+    ds = grain.MapDataset.source(keep)
+    ds = ds[jax.process_index() :: jax.process_count()]
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    if repeat:
+        ds = ds.repeat()
+    ds = ds.map(lambda i: _example(pairs.src[i], pairs.tgt[i]))
+    lengths = {"src": max_length, "tgt_in": max_length, "tgt_out": max_length}
+    packed = grain_exp.FirstFitPackIterDataset(
+        ds.to_iter_dataset(),
+        length_struct=lengths,
+        num_packing_bins=num_packing_bins or 4 * batch_size,
+        seed=seed,
+        shuffle_bins=shuffle,
+    )
+    return packed.batch(batch_size, drop_remainder=repeat).map(_rename_packed)
+
+
+def pad_batch(batch: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
+    """Pad a final short batch with all-padding rows (segment id 0) to a fixed batch size."""
+    n = next(iter(batch.values())).shape[0]
+    if n == batch_size:
+        return batch
+    return {k: np.pad(v, [(0, batch_size - n)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
+
+
+def bucket_length(n: int, multiple: int = 16) -> int:
+    """Round a length up to a multiple, so a handful of shapes cover all batches."""
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def sorted_batches(lengths: list[int], batch_size: int) -> list[np.ndarray]:
+    """Index batches of similar length (sorted, longest first); together they cover every index."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def pad_rows(rows: list[np.ndarray], length: int, num_rows: int) -> np.ndarray:
+    """Right-pad int sequences into an array [num_rows, length] filled with PAD_ID."""
+    out = np.full((num_rows, length), PAD_ID, np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out

@@ -1,0 +1,265 @@
+"""Batched, jit-compatible greedy and beam search over a functional decoder step.
+
+Both searches run entirely inside one ``jax.lax.while_loop`` with fixed shapes, so a
+caller can wrap them in ``jax.jit`` (the step function, sizes and token ids are static /
+closed over). The model is abstracted as a pure step function::
+
+    log_probs, new_cache = step_fn(tokens, cache, index)
+
+* ``tokens``: ``[N] int32``, the previous token of every row (``bos_id`` at index 0).
+* ``cache``: any pytree (e.g. key/value caches) whose array leaves have leading dim ``N``;
+  scalar (0-d) leaves are allowed and are passed through untouched by beam reordering.
+  ``new_cache`` must have the same structure, shapes and dtypes.
+* ``index``: scalar ``int32``, the position being decoded (0 for the first output token).
+* ``log_probs``: ``[N, V]``, normalised log-probabilities (all ``<= 0``) of the token at
+  ``index``. Beam search's early exit relies on log-probabilities being ``<= 0``.
+
+Beam search semantics (per batch row, ``k = beam_size``):
+
+* ``k`` *alive* hypotheses (no EOS yet) and ``k`` *finished* hypotheses are kept. Alive
+  hypotheses are ranked by their summed log-probability; finished ones by the GNMT score
+  ``sum_log_prob / lp(L)`` with ``lp(L) = ((5 + L) / 6) ** alpha`` and ``L`` the length
+  including EOS.
+* Each step ranks the ``2k`` best one-token extensions of the alive hypotheses. An EOS
+  extension is finished if it ranks among the ``k`` best of them (as in a plain top-``k``
+  beam search); the ``k`` best non-EOS extensions (there are always at least ``k`` of the
+  ``2k``) become the new alive set, and the cache is gathered by their parent beams.
+* Alive hypotheses still alive at ``max_len`` are finished with ``L = max_len``, so every
+  row returns ``k`` real hypotheses unless there are fewer than ``k`` possible sequences.
+* A row stops once no alive hypothesis can beat its worst finished one. Extending a
+  hypothesis can only lower its summed log-probability ``s <= s_alive``, and for a monotone
+  ``lp`` the best possible final score is ``max(s / lp(t + 1), s / lp(max_len))`` over the
+  remaining lengths, so the test is exact: stopping early never changes the result.
+* With ``beam_size=1`` and ``alpha=0`` the result is exactly the greedy result. With
+  ``alpha > 0`` it can legitimately differ: after the greedy hypothesis ends, the alive
+  beam may later finish a longer hypothesis with a better length-penalised score.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Cache = Any
+StepFn = Callable[[jax.Array, Cache, jax.Array], tuple[jax.Array, Cache]]
+
+# Large negative *finite* score for invalid/absent hypotheses (avoids inf - inf = NaN).
+NEG_INF = -1.0e9
+# Scores at or below this are invalid (NEG_INF plus any accumulated log-probabilities).
+_INVALID = 0.5 * NEG_INF
+
+
+def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
+    """GNMT length penalty ``((5 + L) / 6) ** alpha`` as float32 (``L`` includes EOS)."""
+    length = jnp.asarray(length, jnp.float32)
+    return ((5.0 + length) / 6.0) ** jnp.float32(alpha)
+
+
+def expand_to_beams(tree: Cache, beam_size: int) -> Cache:
+    """Repeat every row ``beam_size`` times: leaves ``[B, ...] -> [B * beam, ...]``.
+
+    Row ``b * beam_size + j`` of the result is a copy of row ``b``. Scalar leaves are kept.
+    """
+
+    def expand(x: Any) -> Any:
+        x = jnp.asarray(x)
+        return x if x.ndim == 0 else jnp.repeat(x, beam_size, axis=0)
+
+    return jax.tree.map(expand, tree)
+
+
+def gather_beams(tree: Cache, parent: jax.Array) -> Cache:
+    """Reorder a flattened beam cache by parent beam.
+
+    Args:
+      tree: pytree with leaves ``[B * beam, ...]`` (row ``b * beam + j``); scalars are kept.
+      parent: ``[B, n] int32``, beam index (in ``[0, beam)``) each new row is copied from.
+
+    Returns:
+      The pytree with leaves ``[B * n, ...]``; new row ``b * n + i`` is old row
+      ``b * beam + parent[b, i]``.
+    """
+    batch_size, _ = parent.shape
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.ndim(x) > 0]
+    if not leaves:
+        return tree
+    beam_size = leaves[0].shape[0] // batch_size
+    flat = (jnp.arange(batch_size, dtype=jnp.int32)[:, None] * beam_size + parent).reshape(-1)
+
+    def gather(x: Any) -> Any:
+        x = jnp.asarray(x)
+        return x if x.ndim == 0 else jnp.take(x, flat, axis=0)
+
+    return jax.tree.map(gather, tree)
+
+
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """Per-row gather along axis 1: ``x [B, m, ...]``, ``idx [B, n]`` -> ``[B, n, ...]``."""
+    rows = jnp.arange(x.shape[0])[:, None]
+    return x[rows, idx]
+
+
+def greedy_search(
+    step_fn: StepFn,
+    cache: Cache,
+    batch_size: int,
+    max_len: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int = 0,
+    *,
+    early_exit: bool = True,
+) -> jax.Array:
+    """Greedy (argmax) decoding.
+
+    Args:
+      step_fn: see module docstring; called with ``N = batch_size`` rows.
+      cache: initial cache pytree, leaves ``[batch_size, ...]``.
+      batch_size: ``B``.
+      max_len: number of tokens to generate (not counting BOS).
+      bos_id, eos_id, pad_id: special token ids.
+      early_exit: stop the loop once every row has emitted EOS (never changes the result).
+
+    Returns:
+      ``[B, max_len] int32`` generated tokens (BOS excluded); EOS is included when produced
+      and every position after it holds ``pad_id``.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    B = batch_size
+
+    def cond(state):
+        t, _, _, finished, _ = state
+        keep_going = t < max_len
+        if early_exit:
+            keep_going &= ~jnp.all(finished)
+        return keep_going
+
+    def body(state):
+        t, tokens, last, finished, cache = state
+        log_probs, cache = step_fn(last, cache, t)
+        nxt = jnp.argmax(log_probs.astype(jnp.float32), axis=-1).astype(jnp.int32)
+        nxt = jnp.where(finished, jnp.int32(pad_id), nxt)
+        tokens = tokens.at[:, t].set(nxt)
+        finished = finished | (nxt == eos_id)
+        return t + 1, tokens, nxt, finished, cache
+
+    init = (
+        jnp.int32(0),
+        jnp.full((B, max_len), pad_id, jnp.int32),
+        jnp.full((B,), bos_id, jnp.int32),
+        jnp.zeros((B,), bool),
+        cache,
+    )
+    _, tokens, _, _, _ = jax.lax.while_loop(cond, body, init)
+    return tokens
+
+
+def beam_search(
+    step_fn: StepFn,
+    cache: Cache,
+    batch_size: int,
+    beam_size: int,
+    max_len: int,
+    bos_id: int,
+    eos_id: int,
+    alpha: float = 0.6,
+    pad_id: int = 0,
+    *,
+    early_exit: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Beam search with GNMT length penalty (semantics in the module docstring).
+
+    Args:
+      step_fn: see module docstring; called with ``N = batch_size * beam_size`` rows, row
+        ``b * beam_size + j`` being beam ``j`` of batch row ``b``.
+      cache: initial cache pytree with leaves ``[batch_size, ...]`` (NOT expanded; it is
+        expanded here with :func:`expand_to_beams`).
+      batch_size, beam_size: ``B`` and ``K``.
+      max_len: maximum number of generated tokens (not counting BOS, counting EOS).
+      bos_id, eos_id, pad_id: special token ids.
+      alpha: length-penalty exponent (0 disables the penalty).
+      early_exit: stop the loop once no row can improve (exact: never changes the result).
+
+    Returns:
+      ``(tokens [B, K, max_len] int32, scores [B, K] float32)`` sorted best first. Tokens
+      exclude BOS, include EOS when produced and are ``pad_id`` after it; scores are summed
+      log-probabilities divided by ``lp(L)``. If fewer than ``K`` sequences exist (tiny
+      vocabulary), the missing slots have scores ``<= NEG_INF / 2`` and meaningless tokens.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    B, K, T = batch_size, beam_size, max_len
+    lp_max = length_penalty(T, alpha)
+
+    def cond(state):
+        t, *_, done, _ = state
+        keep_going = t < T
+        if early_exit:
+            keep_going &= ~jnp.all(done)
+        return keep_going
+
+    def body(state):
+        t, last, alive_seqs, alive_scores, fin_seqs, fin_scores, done, cache = state
+        log_probs, cache = step_fn(last.reshape(B * K), cache, t)
+        V = log_probs.shape[-1]
+        log_probs = jnp.maximum(log_probs.astype(jnp.float32), NEG_INF).reshape(B, K, V)
+
+        # Best 2K extensions: the top-2K overall contain at most 2K tokens per beam, so
+        # take a per-beam top-c first (exact token order, ties -> lower id, like argmax).
+        c = min(2 * K, V)
+        beam_lp, beam_tok = jax.lax.top_k(log_probs, c)  # [B, K, c]
+        flat_scores = (alive_scores[:, :, None] + beam_lp).reshape(B, K * c)
+        n = min(2 * K, K * c)
+        cand_scores, cand_idx = jax.lax.top_k(flat_scores, n)  # [B, n], best first
+        cand_tok = _take(beam_tok.reshape(B, K * c), cand_idx)
+        cand_parent = cand_idx // c
+        cand_eos = cand_tok == eos_id
+
+        # EOS extensions ranked among the K best become finished hypotheses.
+        m = min(K, n)
+        eos_ok = cand_eos[:, :m] & (cand_scores[:, :m] > _INVALID) & ~done[:, None]
+        eos_scores = jnp.where(eos_ok, cand_scores[:, :m] / length_penalty(t + 1, alpha), NEG_INF)
+        eos_seqs = _take(alive_seqs, cand_parent[:, :m]).at[:, :, t].set(eos_id)
+
+        # The K best non-EOS extensions stay alive (at least K of the 2K are non-EOS).
+        alive_cand = jnp.where(cand_eos, NEG_INF, cand_scores)
+        alive_scores, alive_idx = jax.lax.top_k(alive_cand, K)  # [B, K]
+        last = _take(cand_tok, alive_idx)
+        parent = _take(cand_parent, alive_idx)
+        alive_seqs = _take(alive_seqs, parent).at[:, :, t].set(last)
+        cache = gather_beams(cache, parent)
+
+        # At the last position, hypotheses that are still alive count as finished.
+        final_ok = (t == T - 1) & (alive_scores > _INVALID) & ~done[:, None]
+        final_scores = jnp.where(final_ok, alive_scores / lp_max, NEG_INF)
+
+        # Merge; existing hypotheses come first so that ties keep them (top_k is stable).
+        all_scores = jnp.concatenate([fin_scores, eos_scores, final_scores], axis=1)
+        all_seqs = jnp.concatenate([fin_seqs, eos_seqs, alive_seqs], axis=1)
+        fin_scores, keep = jax.lax.top_k(all_scores, K)
+        fin_seqs = _take(all_seqs, keep)
+
+        if early_exit:
+            # Descendants have summed log-prob <= the best alive one and length in
+            # [t + 2, T]; lp is monotone, so the best reachable score is at an endpoint.
+            best = alive_scores[:, 0]
+            bound = jnp.maximum(best / length_penalty(t + 2, alpha), best / lp_max)
+            done = done | (bound <= fin_scores[:, -1])
+        return t + 1, last, alive_seqs, alive_scores, fin_seqs, fin_scores, done, cache
+
+    init = (
+        jnp.int32(0),
+        jnp.full((B, K), bos_id, jnp.int32),
+        jnp.full((B, K, T), pad_id, jnp.int32),
+        jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1)),
+        jnp.full((B, K, T), pad_id, jnp.int32),
+        jnp.full((B, K), NEG_INF, jnp.float32),
+        jnp.zeros((B,), bool),
+        expand_to_beams(cache, K),
+    )
+    state = jax.lax.while_loop(cond, body, init)
+    return state[4], state[5]

@@ -1,0 +1,159 @@
+"""The encoder-decoder Transformer of Vaswani et al. (2017), in Flax NNX."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xformer import masks
+from xformer.blocks import DecoderBlock, EncoderBlock
+from xformer.dropout import Dropout
+from xformer.positional import POSITIONAL_SCHEMES, check_length
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 512
+    num_heads: int = 8
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1  # on embeddings and residual branches
+    attention_dropout: float = 0.0
+    relu_dropout: float = 0.0
+    positional: str = "sinusoidal"
+    max_len: int = 256  # size of learned position tables
+    pre_norm: bool = False  # False: post-LN as in the paper
+    share_embeddings: bool = True  # one table for source and target tokens
+    tie_output: bool = True  # output projection = target embedding^T
+
+
+class EncoderDecoder(nnx.Module):
+    """Token ids in, next-token logits out; `init_decode_cache`/`decode_step` for search."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d = cfg.d_model
+        if cfg.share_embeddings and cfg.src_vocab_size != cfg.tgt_vocab_size:
+            raise ValueError("share_embeddings needs equal source and target vocabulary sizes")
+        init = nnx.initializers.normal(d**-0.5)  # unit scale after the sqrt(d) multiplier
+        self.src_embed = nnx.Embed(cfg.src_vocab_size, d, embedding_init=init, rngs=rngs)
+        self.tgt_embed = (
+            self.src_embed
+            if cfg.share_embeddings
+            else nnx.Embed(cfg.tgt_vocab_size, d, embedding_init=init, rngs=rngs)
+        )
+        scheme = POSITIONAL_SCHEMES[cfg.positional]
+        self.src_positions = scheme(d, cfg.max_len, rngs=rngs)
+        self.tgt_positions = scheme(d, cfg.max_len, rngs=rngs)
+        self.embed_dropout = Dropout(cfg.dropout, rngs=rngs)
+        self.encoder = nnx.List(
+            [EncoderBlock(cfg, rngs=rngs) for _ in range(cfg.num_encoder_layers)]
+        )
+        self.decoder = nnx.List(
+            [DecoderBlock(cfg, rngs=rngs) for _ in range(cfg.num_decoder_layers)]
+        )
+        # Pre-LN stacks need a final norm; post-LN outputs are already normalised.
+        self.encoder_norm = nnx.LayerNorm(d, epsilon=1e-6, rngs=rngs) if cfg.pre_norm else None
+        self.decoder_norm = nnx.LayerNorm(d, epsilon=1e-6, rngs=rngs) if cfg.pre_norm else None
+        self.output = (
+            None if cfg.tie_output else nnx.Linear(d, cfg.tgt_vocab_size, use_bias=False, rngs=rngs)
+        )
+
+    def _embed(self, table, scheme, tokens, positions):
+        check_length(scheme, tokens.shape[1])
+        x = table(tokens) * math.sqrt(self.cfg.d_model) + scheme(positions)
+        return self.embed_dropout(x)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return self.tgt_embed.attend(x) if self.output is None else self.output(x)
+
+    def encode(
+        self, src: jax.Array, src_segments: jax.Array, src_positions: jax.Array
+    ) -> jax.Array:
+        """src, src_segments, src_positions [B, Ls] -> memory [B, Ls, d]."""
+        x = self._embed(self.src_embed, self.src_positions, src, src_positions)
+        mask = masks.packed_mask(src_segments, src_segments)
+        for layer in self.encoder:
+            x = layer(x, mask)
+        return x if self.encoder_norm is None else self.encoder_norm(x)
+
+    def __call__(
+        self,
+        src: jax.Array,
+        tgt_in: jax.Array,
+        src_segments: jax.Array | None = None,
+        tgt_segments: jax.Array | None = None,
+        src_positions: jax.Array | None = None,
+        tgt_positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """Teacher-forced logits [B, Lt, V] for src [B, Ls] and shifted targets tgt_in [B, Lt].
+
+        Segment ids (0 = padding) and positions describe packed rows; they default to one
+        example per row with padding id 0.
+        """
+        if src_segments is None:
+            src_segments = masks.segments_from_tokens(src)
+        if tgt_segments is None:
+            # tgt_in starts with BOS, which may equal the pad id; position 0 is always a token.
+            tgt_segments = masks.segments_from_tokens(tgt_in).at[:, 0].set(1)
+        if src_positions is None:
+            src_positions = masks.positions_from_segments(src_segments)
+        if tgt_positions is None:
+            tgt_positions = masks.positions_from_segments(tgt_segments)
+        memory = self.encode(src, src_segments, src_positions)
+        x = self._embed(self.tgt_embed, self.tgt_positions, tgt_in, tgt_positions)
+        self_mask = masks.packed_mask(
+            tgt_segments,
+            tgt_segments,
+            causal=True,
+            q_positions=tgt_positions,
+            k_positions=tgt_positions,
+        )
+        cross_mask = masks.packed_mask(tgt_segments, src_segments)
+        for layer in self.decoder:
+            x = layer(x, self_mask, cross_mask, memory=memory)
+        return self._logits(x)
+
+    # Incremental decoding ---------------------------------------------------------------------
+
+    def init_decode_cache(self, src: jax.Array, max_len: int) -> dict:
+        """Encode src [B, Ls] once and allocate the self-attention cache for max_len steps.
+
+        Returns a pytree whose leaves all have leading dim B (so search can reorder beams):
+        "self": per layer {"k", "v"} [B, max_len, H, D]; "cross": per layer (k, v) [B, Ls, H, D];
+        "src_valid" [B, Ls].
+        """
+        check_length(self.tgt_positions, max_len)
+        segments = masks.segments_from_tokens(src)
+        memory = self.encode(src, segments, masks.positions_from_segments(segments))
+        b, heads = src.shape[0], self.cfg.num_heads
+        zeros = jnp.zeros((b, max_len, heads, self.cfg.d_model // heads), memory.dtype)
+        return {
+            "self": [{"k": zeros, "v": zeros} for _ in self.decoder],
+            "cross": [layer.cross_attn.project_kv(memory) for layer in self.decoder],
+            "src_valid": segments > 0,
+        }
+
+    def decode_step(
+        self, tokens: jax.Array, cache: dict, index: jax.Array
+    ) -> tuple[jax.Array, dict]:
+        """tokens [B] at position `index` -> (log-probs [B, V] of the next token, new cache)."""
+        b = tokens.shape[0]
+        max_len = cache["self"][0]["k"].shape[1]
+        positions = jnp.full((b, 1), index, jnp.int32)
+        x = self._embed(self.tgt_embed, self.tgt_positions, tokens[:, None], positions)
+        self_mask = jnp.broadcast_to(jnp.arange(max_len) <= index, (b, 1, 1, max_len))
+        cross_mask = cache["src_valid"][:, None, None, :]
+        new_self = []
+        for layer, kv, cross_kv in zip(self.decoder, cache["self"], cache["cross"], strict=True):
+            x, kv = layer.decode_step(x, kv, index, self_mask, cross_mask, cross_kv)
+            new_self.append(kv)
+        logits = self._logits(x)[:, 0].astype(jnp.float32)
+        return jax.nn.log_softmax(logits), {**cache, "self": new_self}
