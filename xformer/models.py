@@ -101,8 +101,7 @@ class EncoderDecoder(nnx.Module):
         if src_segments is None:
             src_segments = masks.segments_from_tokens(src)
         if tgt_segments is None:
-            # tgt_in starts with BOS, which may equal the pad id; position 0 is always a token.
-            tgt_segments = masks.segments_from_tokens(tgt_in).at[:, 0].set(1)
+            tgt_segments = masks.segments_from_tokens(tgt_in)
         if src_positions is None:
             src_positions = masks.positions_from_segments(src_segments)
         if tgt_positions is None:

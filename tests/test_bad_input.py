@@ -1,0 +1,121 @@
+"""Bad input fails fast with a message that says what is wrong and where."""
+
+import gzip
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xformer import config as config_lib
+from xformer.data.sources import read_parallel_files, read_text_lines, translation_source
+from xformer.experiment import save_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args, env_extra=None):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_unknown_config_key_from_command_line(tmp_path):
+    result = run(
+        [
+            "train.py",
+            "--config=configs/multi30k_ende.py",
+            f"--workdir={tmp_path}",
+            "--config.model.num_head=8",
+        ]
+    )
+    assert result.returncode != 0
+    assert "num_head" in result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_unknown_config_key_in_config_file():
+    config = config_lib.base_config()
+    config.model.unlock() if hasattr(config.model, "unlock") else None
+    config.model.num_head = 8
+    with pytest.raises(ValueError, match=r"unknown config key 'model.num_head'.*num_heads"):
+        config_lib.validate(config)
+
+
+def test_d_model_not_divisible_by_heads(tmp_path):
+    config = config_lib.base_config()
+    config.model.d_model, config.model.num_heads = 100, 8
+    with pytest.raises(
+        ValueError, match=r"model.d_model=100 must be divisible by model.num_heads=8"
+    ):
+        config_lib.validate(config)
+    result = run(
+        [
+            "train.py",
+            "--config=configs/multi30k_ende.py",
+            f"--workdir={tmp_path}",
+            "--config.model.d_model=100",
+            "--config.model.num_heads=8",
+        ]
+    )
+    assert result.returncode != 0
+    assert "must be divisible by model.num_heads" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("model.positional", "rotary", "allowed values"),
+        ("model.dropout", 1.5, "model.dropout must be in"),
+        ("data.vocab", "separate", "share_embeddings=True needs data.vocab='joint'"),
+        ("model.d_model", "big", "must be int"),
+    ],
+)
+def test_invalid_values_and_combinations(key, value, message):
+    config = config_lib.base_config()
+    section, name = key.split(".")
+    with config.ignore_type():
+        config[section][name] = value
+    with pytest.raises(ValueError, match=message):
+        config_lib.validate(config)
+
+
+def test_missing_data_says_where_to_put_it(tmp_path):
+    empty = tmp_path / "nothing_here"
+    empty.mkdir()
+    with pytest.raises(Exception) as info:
+        translation_source(
+            "multi30k", "train", data_dir=str(tmp_path / "tfds"), manual_dir=str(empty)
+        )
+    message = str(info.value)
+    assert "XFORMER_DATA_DIR" in message or str(empty) in message
+    assert "train.en" in message or "multi30k" in message
+
+
+def test_parallel_files_of_different_lengths(tmp_path):
+    src, tgt = tmp_path / "a.en", tmp_path / "b.de"
+    src.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    with gzip.open(tgt, "wt", encoding="utf-8") as f:
+        f.write("eins\nzwei\n")
+    with pytest.raises(ValueError, match=r"3 lines.*2 lines"):
+        read_parallel_files(str(src), str(tgt))
+    # eval.py reports it before loading any model.
+    save_config(config_lib.base_config(), str(tmp_path))
+    result = run(["eval.py", f"--workdir={tmp_path}", f"--input={src}", f"--reference={tgt}"])
+    assert result.returncode != 0
+    assert "different line counts" in result.stderr
+
+
+def test_invalid_utf8_names_the_line(tmp_path):
+    path = tmp_path / "bad.en"
+    path.write_bytes(b"fine\nalso fine\nbad \xff byte\n")
+    with pytest.raises(ValueError, match="line 3"):
+        read_text_lines(str(path))
+
+
+def test_empty_lines_are_kept(tmp_path):
+    path = tmp_path / "x.en"
+    path.write_text("a\n\n\nb\n", encoding="utf-8")
+    assert read_text_lines(str(path)) == ["a", "", "", "b"]

@@ -1,0 +1,42 @@
+"""BLEU conventions: the lowercased Moses pipeline reproduces upstream Multi30k tok files."""
+
+import gzip
+
+import pytest
+import sacrebleu
+
+from xformer.bleu import bleu_report, moses_lc_tok
+
+
+def _lines(path):
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+@pytest.mark.parametrize("lang", ["en", "de"])
+def test_lc_tok_pipeline_matches_upstream_tokenized_files(multi30k_dir, lang):
+    raw = _lines(multi30k_dir / "raw" / f"test_2016_flickr.{lang}.gz")
+    tok = _lines(multi30k_dir / "tok" / f"test_2016_flickr.lc.norm.tok.{lang}.gz")
+    assert [moses_lc_tok(line, lang) for line in raw] == tok
+
+
+def test_bleu_report_values(multi30k_dir):
+    refs = _lines(multi30k_dir / "raw" / "val.de.gz")[:200]
+    perfect = bleu_report(refs, refs, "de")
+    assert perfect.sacrebleu == pytest.approx(100.0)
+    assert perfect.lc_tok_bleu == pytest.approx(100.0)
+    assert "case:mixed" in perfect.signature and "tok:13a" in perfect.signature
+    # Lowercasing the hypotheses hurts cased sacreBLEU but not the lowercased metric.
+    lowered = bleu_report([r.lower() for r in refs], refs, "de")
+    assert lowered.lc_tok_bleu == pytest.approx(100.0)
+    assert lowered.sacrebleu < 90
+    # The lc-tok metric equals sacreBLEU with no tokenization on upstream-tokenized text.
+    hyps = refs[1:] + refs[:1]
+    tok = sacrebleu.corpus_bleu(
+        [moses_lc_tok(h, "de") for h in hyps],
+        [[moses_lc_tok(r, "de") for r in refs]],
+        tokenize="none",
+    )
+    assert bleu_report(hyps, refs, "de").lc_tok_bleu == pytest.approx(tok.score)
+    with pytest.raises(ValueError, match="hypotheses"):
+        bleu_report(refs[:3], refs, "de")

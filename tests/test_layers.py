@@ -1,0 +1,69 @@
+"""Positional encoding, loss, dropout and schedule against direct formulas."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from xformer.dropout import Dropout
+from xformer.losses import cross_entropy
+from xformer.optim import learning_rate_schedule
+from xformer.positional import sinusoidal_encoding
+
+
+def test_sinusoidal_encoding_equals_paper_formula():
+    rng = np.random.default_rng()
+    d = 18
+    positions = rng.integers(0, 500, (2, 7))
+    pe = np.asarray(sinusoidal_encoding(jnp.asarray(positions), d))
+    for b, t in np.ndindex(2, 7):
+        for j in range(d):
+            angle = positions[b, t] / 10000 ** ((j - j % 2) / d)
+            expected = np.sin(angle) if j % 2 == 0 else np.cos(angle)
+            assert pe[b, t, j] == pytest.approx(expected, abs=2e-4)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_label_smoothed_cross_entropy_matches_numpy(smoothing):
+    rng = np.random.default_rng()
+    v = 11
+    logits = rng.standard_normal((2, 5, v)).astype(np.float32)
+    targets = rng.integers(0, v, (2, 5))
+    weights = (rng.random((2, 5)) < 0.7).astype(np.float32)
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    q = np.full((2, 5, v), smoothing / (v - 1))
+    np.put_along_axis(q, targets[..., None], 1 - smoothing, -1)
+    kl = (q * (np.log(np.where(q > 0, q, 1)) - log_p)).sum(-1)  # KL(q || p) = xent - H(q)
+    nll = -np.take_along_axis(log_p, targets[..., None], -1)[..., 0]
+    loss_sum, nll_sum = cross_entropy(
+        jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights), smoothing
+    )
+    np.testing.assert_allclose(loss_sum, (kl * weights).sum(), rtol=1e-5)
+    np.testing.assert_allclose(nll_sum, (nll * weights).sum(), rtol=1e-5)
+
+
+def test_dropout_rate_scale_and_independence():
+    from flax import nnx
+
+    drop = Dropout(0.3, rngs=nnx.Rngs(dropout=int(np.random.default_rng().integers(1e6))))
+    x = jnp.ones((512, 512))
+    a, b = np.asarray(drop(x)), np.asarray(drop(x))
+    np.testing.assert_allclose(np.unique(a), [0.0, 1 / 0.7], rtol=1e-6)
+    assert abs((a == 0).mean() - 0.3) < 0.005
+    assert abs(((a == 0) & (b == 0)).mean() - 0.09) < 0.005  # successive masks independent
+    assert abs(np.corrcoef((a[:, :-1] == 0).ravel(), (a[:, 1:] == 0).ravel())[0, 1]) < 0.01
+    drop.deterministic = True
+    np.testing.assert_array_equal(drop(x), x)
+
+
+def test_rsqrt_schedule_is_the_papers():
+    t = ml_collections.ConfigDict(
+        dict(learning_rate=0.002, warmup_steps=100, schedule="rsqrt", num_steps=1000)
+    )
+    lr = learning_rate_schedule(t)
+    d_model = 0.002**-2 / 100  # peak = d^-0.5 * warmup^-0.5
+    for step in (1, 50, 100, 400, 1000):
+        paper = d_model**-0.5 * min(step**-0.5, step * 100**-1.5)
+        assert float(lr(jnp.asarray(step))) == pytest.approx(paper, rel=1e-5)
+    assert jax.numpy.isfinite(lr(jnp.asarray(0)))
