@@ -17,20 +17,20 @@ def get_config():
     c.model.num_encoder_layers = 3
     c.model.num_decoder_layers = 3
     c.model.d_ff = 1024
-    c.model.dropout = 0.3
+    c.model.dropout = 0.2
     c.model.attention_dropout = 0.1
     c.model.relu_dropout = 0.1
 
     c.data.vocab_size = 8000
     c.data.max_train_length = 64
 
-    c.train.batch_size = 64  # packed rows of 64 tokens: ~3k target tokens per step
+    c.train.batch_size = 32  # packed rows of 64 tokens: ~1.9k target tokens per step
     c.train.num_steps = 20_000
     c.train.max_train_seconds = 3600.0
     c.train.learning_rate = 1e-3
-    c.train.warmup_steps = 500
-    c.train.eval_every = 500
-    c.train.checkpoint_every = 500
+    c.train.warmup_steps = 800
+    c.train.eval_every = 1500
+    c.train.checkpoint_every = 1000
 
     c.eval.batch_size = 100
     c.eval.beam_size = 4

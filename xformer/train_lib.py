@@ -63,7 +63,7 @@ def train_step(exp: Experiment, state: dict, rest: nnx.State, batch: dict) -> tu
         "nll_sum": nll_sum,
         "tokens": ntok,
         "src_tokens": (batch["src_segments"] > 0).sum().astype(jnp.float32),
-        "grad_norm": optax.tree_utils.tree_l2_norm(grads),
+        "grad_norm": optax.tree_utils.tree_norm(grads),
     }
     return new_state, metrics
 
