@@ -38,7 +38,6 @@ def test_unknown_config_key_from_command_line(tmp_path):
 
 def test_unknown_config_key_in_config_file():
     config = config_lib.base_config()
-    config.model.unlock() if hasattr(config.model, "unlock") else None
     config.model.num_head = 8
     with pytest.raises(ValueError, match=r"unknown config key 'model.num_head'.*num_heads"):
         config_lib.validate(config)

@@ -190,6 +190,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         elapsed = time.time() - start_time
         out_of_time = t.max_train_seconds and elapsed >= t.max_train_seconds
         done = step >= t.num_steps or out_of_time
+        checkpoint_due = step % t.checkpoint_every == 0 or done
+        if checkpoint_due:  # the position after the batches consumed by steps 1..step
+            data_state = data_iter.get_state()
         if not done:
             batch = global_batch(next(data_iter))  # host work overlaps the async device step
 
@@ -228,8 +231,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             )
             interval_start, pending = time.time(), []
 
-        if step % t.checkpoint_every == 0 or done:
-            exp.checkpointer.save(step, state, data_iter.get_state())
+        if checkpoint_due:
+            exp.checkpointer.save(step, state, data_state)
         if step % t.eval_every == 0 or done:
             eval_start = time.time()
             val = evaluator.loss(state["params"], rest)
