@@ -36,9 +36,6 @@ class EncodedPairs:
     def __len__(self) -> int:
         return len(self.src)
 
-    def num_tokens(self) -> tuple[int, int]:
-        return sum(map(len, self.src)), sum(map(len, self.tgt))
-
 
 def _example(src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
     return {
@@ -98,14 +95,6 @@ def packed_train_dataset(
         shuffle_bins=shuffle,
     )
     return packed.batch(batch_size, drop_remainder=repeat).map(_rename_packed)
-
-
-def pad_batch(batch: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
-    """Pad a final short batch with all-padding rows (segment id 0) to a fixed batch size."""
-    n = next(iter(batch.values())).shape[0]
-    if n == batch_size:
-        return batch
-    return {k: np.pad(v, [(0, batch_size - n)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
 
 
 def bucket_length(n: int, multiple: int = 16) -> int:
