@@ -5,7 +5,7 @@ import numpy as np
 from flax import nnx
 
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from xformer.decoding import beam_search, greedy_search
+from xformer.decoding import ban_tokens, beam_search, greedy_search
 from xformer.models import EncoderDecoder, TransformerConfig
 
 
@@ -39,7 +39,8 @@ def uncached_greedy(model, src, max_len):
     done = np.zeros(src.shape[0], bool)
     out = []
     for _ in range(max_len):
-        logits = np.asarray(model(src, jnp.asarray(tokens)))[:, -1]
+        logits = np.array(model(src, jnp.asarray(tokens)))[:, -1]
+        logits[:, [PAD_ID, BOS_ID]] = -np.inf  # as ban_tokens does
         nxt = np.where(done, PAD_ID, logits.argmax(-1))
         out.append(nxt)
         done |= nxt == EOS_ID
@@ -50,9 +51,8 @@ def uncached_greedy(model, src, max_len):
 def test_cached_greedy_equals_uncached_greedy():
     rng = np.random.default_rng()
     model, src = _model(int(rng.integers(1e6))), _src(rng)
-    cached = greedy_search(
-        model.decode_step, model.init_decode_cache(src, 12), 4, 12, BOS_ID, EOS_ID, PAD_ID
-    )
+    step_fn = ban_tokens(model.decode_step, (PAD_ID, BOS_ID))  # as the Translator does
+    cached = greedy_search(step_fn, model.init_decode_cache(src, 12), 4, 12, BOS_ID, EOS_ID, PAD_ID)
     np.testing.assert_array_equal(cached, uncached_greedy(model, src, 12))
 
 

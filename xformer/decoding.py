@@ -263,3 +263,14 @@ def beam_search(
     )
     state = jax.lax.while_loop(cond, body, init)
     return state[4], state[5]
+
+
+def ban_tokens(step_fn: StepFn, token_ids: tuple[int, ...]) -> StepFn:
+    """Wrap step_fn so that `token_ids` (e.g. padding, BOS) are never generated."""
+    ids = jnp.asarray(token_ids, jnp.int32)
+
+    def step(tokens, cache, index):
+        log_probs, cache = step_fn(tokens, cache, index)
+        return log_probs.at[:, ids].set(NEG_INF), cache
+
+    return step

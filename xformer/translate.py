@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from xformer.data.pipeline import bucket_length, pad_rows, sorted_batches
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from xformer.decoding import beam_search, greedy_search
+from xformer.decoding import ban_tokens, beam_search, greedy_search
 from xformer.models import TransformerConfig
 
 
@@ -46,11 +46,12 @@ class Translator:
     def _decode_fn(self, graphdef, params, rest, src, max_len: int) -> jax.Array:
         model = nnx.merge(graphdef, params, rest)
         cache = model.init_decode_cache(src, max_len)
+        step_fn = ban_tokens(model.decode_step, (PAD_ID, BOS_ID))
         b = src.shape[0]
         if self.beam_size == 1:
-            return greedy_search(model.decode_step, cache, b, max_len, BOS_ID, EOS_ID, PAD_ID)
+            return greedy_search(step_fn, cache, b, max_len, BOS_ID, EOS_ID, PAD_ID)
         tokens, _ = beam_search(
-            model.decode_step, cache, b, self.beam_size, max_len, BOS_ID, EOS_ID, self.alpha, PAD_ID
+            step_fn, cache, b, self.beam_size, max_len, BOS_ID, EOS_ID, self.alpha, PAD_ID
         )
         return tokens[:, 0]
 
