@@ -112,7 +112,10 @@ def setup(
     train_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     model.eval()
     eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
-    rest = nnx.state(EncoderDecoder(model_cfg, rngs=nnx.Rngs(0)), nnx.Not(nnx.Param))
+    # Only the RNG-stream state is kept; under jit XLA drops the unused parameter init.
+    rest = jax.jit(
+        lambda: nnx.state(EncoderDecoder(model_cfg, rngs=nnx.Rngs(0)), nnx.Not(nnx.Param))
+    )()
     return Experiment(
         config=config,
         workdir=workdir,
