@@ -1,0 +1,242 @@
+"""Vocabularies for the language-modelling corpora, built from the training split.
+
+::
+
+    from xformer.data.lm_corpora import corpus_info, read_corpus
+    from xformer.data.vocab import build_vocab
+
+    info = corpus_info("ptb")
+    vocab = build_vocab(info, read_corpus("ptb", "train"))   # WordVocab, 10,000 tokens
+    ids = vocab.encode(read_corpus("ptb", "valid"))          # int32 stream, <eos> per line
+
+* ``WordVocab`` (whitespace corpora): the train tokens plus ``<eos>``, ids by
+  descending train frequency (ties: first appearance), so that adaptive-softmax
+  cutoffs split frequent from rare tokens.  A token outside the vocabulary maps to
+  ``<unk>`` if the vocabulary has it, else it is an error.
+* ``ByteVocab`` (enwik8): the 256 byte values; id = byte.
+* ``CharVocab`` (text8): the train characters, ids by descending frequency (ties:
+  code point).
+
+Every vocabulary has ``size``, ``encode(data) -> np.ndarray[int32]`` and ``decode(ids)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # (importing lm_corpora would load TFDS)
+    from xformer.data.lm_corpora import CorpusInfo
+
+EOS = "<eos>"
+UNK = "<unk>"
+_LINES_PER_CHUNK = 8192  # bounds the temporary token lists when encoding large corpora
+
+
+def _token_chunks(lines: Sequence[str]) -> Iterable[list[str]]:
+    """Yields the token stream (``<eos>`` after every line) in chunks of lines."""
+    separator = f" {EOS}\n"
+    for start in range(0, len(lines), _LINES_PER_CHUNK):
+        chunk = lines[start : start + _LINES_PER_CHUNK]
+        yield (separator.join(chunk) + separator).split()
+
+
+def _by_frequency(counts: collections.Counter) -> list:
+    # Counter keeps first-appearance order and `sorted` is stable, so ties keep it.
+    return [key for key, _ in sorted(counts.items(), key=lambda item: -item[1])]
+
+
+class WordVocab:
+    """Whitespace tokens of a corpus plus ``<eos>``; ``tokens[i]`` has id ``i``."""
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        self.tokens: tuple[str, ...] = tuple(tokens)
+        self._ids = {token: i for i, token in enumerate(self.tokens)}
+        if len(self._ids) != len(self.tokens):
+            raise ValueError("vocabulary tokens are not unique")
+        bad = [t for t in self.tokens if not t or t != "".join(t.split())]
+        if bad:
+            raise ValueError(f"vocabulary tokens must be non-empty without whitespace: {bad[:5]}")
+        if EOS not in self._ids:
+            raise ValueError(f"vocabulary has no {EOS}")
+        self.eos_id: int = self._ids[EOS]
+        self.unk_id: int | None = self._ids.get(UNK)
+
+    @classmethod
+    def build(cls, lines: Sequence[str], max_size: int = 0) -> WordVocab:
+        """Builds the vocabulary of ``lines`` (the training split).
+
+        With ``max_size`` > 0 only the most frequent tokens are kept so that the
+        size is at most ``max_size``; if tokens are dropped, ``<eos>`` and
+        ``<unk>`` are kept (``<unk>`` is added last if the text lacks it).
+        """
+        counts: collections.Counter[str] = collections.Counter()
+        for tokens in _token_chunks(lines):
+            counts.update(tokens)
+        counts.setdefault(EOS, 0)  # no lines at all
+        ordered = _by_frequency(counts)
+        if max_size and len(ordered) > max_size:
+            if max_size < 2:
+                raise ValueError(f"max_size must be at least 2 ({EOS}, {UNK}), got {max_size}")
+            others = (t for t in ordered if t not in (EOS, UNK))
+            kept = set(itertools.islice(others, max_size - 2))
+            ordered = [t for t in ordered if t in kept or t in (EOS, UNK)]
+            if UNK not in counts:
+                ordered.append(UNK)
+        return cls(ordered)
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __contains__(self, token: str) -> bool:
+        return token in self._ids
+
+    def encode_lines(self, lines: Sequence[str]) -> np.ndarray:
+        """Returns the int32 id stream of ``lines``, ``<eos>`` after every line."""
+        missing = -1 if self.unk_id is None else self.unk_id
+        parts = []
+        for tokens in _token_chunks(lines):
+            ids = np.fromiter(
+                map(self._ids.get, tokens, itertools.repeat(missing)),
+                dtype=np.int32,
+                count=len(tokens),
+            )
+            if self.unk_id is None and (ids < 0).any():
+                token = tokens[int(np.argmax(ids < 0))]
+                raise ValueError(f"token {token!r} is not in the vocabulary, which has no {UNK}")
+            parts.append(ids)
+        return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+    encode = encode_lines
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Returns the tokens of ``ids`` joined by spaces (for debugging)."""
+        return " ".join(self.tokens[i] for i in ids)
+
+    def save(self, path: str | Path) -> None:
+        """Writes one token per line, in id order (UTF-8)."""
+        Path(path).write_text("".join(f"{t}\n" for t in self.tokens), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> WordVocab:
+        """Reads a file written by ``save``."""
+        return cls(Path(path).read_text(encoding="utf-8").splitlines())
+
+    def __repr__(self) -> str:
+        return f"WordVocab(size={self.size}, unk={self.unk_id is not None})"
+
+
+class ByteVocab:
+    """The 256 byte values; the id of a byte is its value."""
+
+    size = 256
+
+    def __len__(self) -> int:
+        return self.size
+
+    def encode(self, data: bytes) -> np.ndarray:
+        """Returns the int32 id stream of ``data`` (every byte is a token)."""
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids: Iterable[int]) -> bytes:
+        """Returns the bytes of ``ids``."""
+        ids = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
+        if ids.size and not (0 <= ids.min() and ids.max() < 256):
+            raise ValueError("byte ids must be in [0, 256)")
+        return ids.astype(np.uint8).tobytes()
+
+    def __repr__(self) -> str:
+        return "ByteVocab(size=256)"
+
+
+def _code_points(text: str | bytes) -> np.ndarray:
+    if isinstance(text, str):
+        text = text.encode("utf-8")
+    if text.isascii():  # text8: one byte per character
+        return np.frombuffer(text, dtype=np.uint8)
+    return np.frombuffer(text.decode("utf-8").encode("utf-32-le"), dtype=np.uint32)
+
+
+class CharVocab:
+    """The characters of a text; ``chars[i]`` has id ``i``."""
+
+    def __init__(self, chars: Sequence[str]) -> None:
+        self.chars: tuple[str, ...] = tuple(chars)
+        if len(set(self.chars)) != len(self.chars) or any(len(c) != 1 for c in self.chars):
+            raise ValueError("CharVocab needs distinct single characters")
+        codes = np.array([ord(c) for c in self.chars], dtype=np.int64)
+        # id of every code point up to the largest one; the extra last entry (-1)
+        # stands for all larger code points.
+        self._table = np.full(int(codes.max(initial=-1)) + 2, -1, dtype=np.int32)
+        self._table[codes] = np.arange(len(codes), dtype=np.int32)
+
+    @classmethod
+    def build(cls, text: str | bytes) -> CharVocab:
+        """Builds the vocabulary of ``text`` (the training split; bytes are UTF-8).
+
+        Ids are by descending frequency, ties by code point.
+        """
+        counts = np.bincount(_code_points(text))
+        present = np.flatnonzero(counts)
+        order = present[np.argsort(-counts[present], kind="stable")]
+        return cls([chr(c) for c in order])
+
+    @property
+    def size(self) -> int:
+        return len(self.chars)
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        """Returns the int32 id stream of ``text`` (bytes are decoded as UTF-8)."""
+        codes = _code_points(text)
+        ids = self._table[np.minimum(codes, len(self._table) - 1)]
+        if (ids < 0).any():
+            char = chr(codes[int(np.argmax(ids < 0))])
+            raise ValueError(f"character {char!r} is not in the vocabulary")
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Returns the characters of ``ids``."""
+        return "".join(self.chars[i] for i in ids)
+
+    def save(self, path: str | Path) -> None:
+        """Writes one decimal code point per line, in id order."""
+        Path(path).write_text("".join(f"{ord(c)}\n" for c in self.chars), encoding="ascii")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CharVocab:
+        """Reads a file written by ``save``."""
+        return cls([chr(int(x)) for x in Path(path).read_text(encoding="ascii").split()])
+
+    def __repr__(self) -> str:
+        return f"CharVocab(size={self.size})"
+
+
+Vocab = WordVocab | ByteVocab | CharVocab
+
+
+def build_vocab(info: CorpusInfo, train_data: Sequence[str] | bytes, max_size: int = 0) -> Vocab:
+    """Builds the vocabulary of a corpus from its training split (see ``read_corpus``).
+
+    ``max_size`` (word vocabularies only, 0 = all) keeps the most frequent tokens.
+    """
+    if info.tokenization == "whitespace":
+        return WordVocab.build(train_data, max_size=max_size)
+    if max_size:
+        raise ValueError(f"max_size applies to word vocabularies, not {info.name!r}")
+    if info.tokenization == "byte":
+        return ByteVocab()
+    if info.tokenization == "char":
+        return CharVocab.build(train_data)
+    raise ValueError(f"unknown tokenization {info.tokenization!r} of {info.name!r}")
