@@ -1,0 +1,271 @@
+"""Adaptive embedding and adaptive softmax against per-token numpy references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from xformer.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+
+V = 50
+CUTOFFS = (10, 25, 40)
+
+
+def _rngs() -> nnx.Rngs:
+    return nnx.Rngs(int(np.random.default_rng().integers(2**31)))
+
+
+def _randomize(module: nnx.Module, scale: float = 0.5) -> None:
+    """Give every parameter (biases included) fresh N(0, scale^2) values, so that the
+    distributions are far from uniform; tied variables stay tied (nnx.state lists them once)."""
+    rng = np.random.default_rng()
+    leaves, treedef = jax.tree.flatten(nnx.state(module, nnx.Param))
+    new = [jnp.asarray(rng.normal(0, scale, x.shape), jnp.float32) for x in leaves]
+    nnx.update(module, jax.tree.unflatten(treedef, new))
+
+
+def _softmax_module(d_embed, d_model, cutoffs, div_val) -> AdaptiveLogSoftmax:
+    sm = AdaptiveLogSoftmax(V, d_embed, d_model, cutoffs, div_val, rngs=_rngs())
+    _randomize(sm)
+    return sm
+
+
+def _hidden(d_model: int, shape=(3, 7)) -> np.ndarray:
+    return np.random.default_rng().standard_normal((*shape, d_model)).astype(np.float32)
+
+
+def _targets(cutoffs, shape=(3, 7)) -> np.ndarray:
+    """Random targets, shuffled together with the first and last token of every cluster."""
+    rng = np.random.default_rng()
+    t = rng.integers(0, V, shape)
+    edges = (0, *cutoffs, V)
+    t.flat[: 2 * len(edges) - 2] = [*edges[:-1], *(e - 1 for e in edges[1:])]
+    return rng.permutation(t.ravel()).reshape(shape)
+
+
+def _np(x) -> np.ndarray | None:
+    return None if x is None else np.asarray(x[...], np.float64)
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+SETTINGS = [  # d_embed, d_model, cutoffs, div_val
+    (16, 16, (), 1),
+    (16, 12, (), 1),
+    (16, 16, (10, 25), 1),
+    (16, 12, (10, 25), 1),
+    (16, 12, (10, 25), 2),
+    (16, 16, (10, 25), 4),
+    (64, 48, CUTOFFS, 4),
+    (8, 8, (1, 49), 2),
+]
+
+
+@pytest.mark.parametrize("d_embed, d_model, cutoffs, div_val", SETTINGS)
+def test_log_probs_are_normalised(d_embed, d_model, cutoffs, div_val):
+    sm = _softmax_module(d_embed, d_model, cutoffs, div_val)
+    log_p = sm.log_probs(jnp.asarray(_hidden(d_model)))
+    assert log_p.shape == (3, 7, V) and log_p.dtype == jnp.float32
+    np.testing.assert_allclose(jax.nn.logsumexp(log_p, axis=-1), 0.0, atol=2e-5)
+    assert float(log_p.max() - log_p.min()) > 3.0  # far from uniform: the test can fail
+
+
+@pytest.mark.parametrize("d_model", [16, 12])
+def test_single_cluster_is_the_plain_softmax(d_model):
+    sm = _softmax_module(16, d_model, (), 1)
+    assert sm.cluster_weight is None and len(sm.tables) == len(sm.projs) == 1
+    h = _hidden(d_model)
+    x = h if d_model == 16 else h @ _np(sm.projs[0]).T
+    expected = _log_softmax(x @ _np(sm.tables[0]).T + _np(sm.bias))
+    np.testing.assert_allclose(sm.log_probs(jnp.asarray(h)), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("div_val", [1, 2, 4])
+def test_nll_equals_gathered_log_probs(div_val):
+    sm = _softmax_module(64, 48, CUTOFFS, div_val)
+    h, t = jnp.asarray(_hidden(48)), jnp.asarray(_targets(CUTOFFS))
+
+    def gathered(h):
+        return -jnp.take_along_axis(sm.log_probs(h), t[..., None], axis=-1)[..., 0]
+
+    nll = sm.nll(h, t)
+    assert nll.shape == t.shape
+    np.testing.assert_allclose(nll, gathered(h), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        jax.grad(lambda h: sm.nll(h, t).sum())(h),
+        jax.grad(lambda h: gathered(h).sum())(h),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
+def _by_hand_probs(sm: AdaptiveLogSoftmax, div_val: int, h: np.ndarray) -> np.ndarray:
+    """p(v) for one hidden state h [d_model], token by token: p_head(v) for shortlist tokens,
+    p_head(cluster i) * p_i(v | cluster i) otherwise, scoring v as (P_i h) . W_i[v] + b[v]."""
+    edges = (0, *CUTOFFS, V)
+    tables, projs = [_np(t) for t in sm.tables], [_np(p) for p in sm.projs]
+    bias, cw, cb = _np(sm.bias), _np(sm.cluster_weight), _np(sm.cluster_bias)
+    projected = [h if p is None else p @ h for p in projs]
+
+    def score(v):
+        i = int(np.searchsorted(CUTOFFS, v, side="right"))
+        row = tables[0][v] if div_val == 1 else tables[i][v - edges[i]]
+        return np.exp(row @ projected[i] + bias[v])
+
+    cluster_scores = np.exp(cw @ projected[0] + cb)
+    head_z = sum(score(v) for v in range(CUTOFFS[0])) + cluster_scores.sum()
+    probs = np.zeros(V)
+    for v in range(V):
+        i = int(np.searchsorted(CUTOFFS, v, side="right"))
+        if i == 0:
+            probs[v] = score(v) / head_z
+        else:
+            tail_z = sum(score(u) for u in range(edges[i], edges[i + 1]))
+            probs[v] = cluster_scores[i - 1] / head_z * score(v) / tail_z
+    return probs
+
+
+@pytest.mark.parametrize("div_val, d_model", [(1, 16), (1, 12), (2, 12), (2, 16)])
+def test_probabilities_match_a_by_hand_numpy_reference(div_val, d_model):
+    sm = _softmax_module(16, d_model, CUTOFFS, div_val)
+    h = _hidden(d_model, (2, 3))
+    probs = np.asarray(jnp.exp(sm.log_probs(jnp.asarray(h))))
+    for pos in np.ndindex(2, 3):
+        expected = _by_hand_probs(sm, div_val, h[pos].astype(np.float64))
+        np.testing.assert_allclose(probs[pos], expected, rtol=2e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "div_val, d_embed, d_model", [(1, 16, 16), (1, 16, 12), (2, 16, 12), (4, 64, 64)]
+)
+def test_embedding_matches_a_per_token_loop(div_val, d_embed, d_model):
+    emb = AdaptiveEmbedding(V, d_embed, d_model, CUTOFFS, div_val, rngs=_rngs())
+    _randomize(emb)
+    tables, projs = [_np(t) for t in emb.tables], [_np(p) for p in emb.projs]
+    tokens = _targets(CUTOFFS)
+    out = np.asarray(emb(jnp.asarray(tokens)))
+    assert out.shape == (*tokens.shape, d_model)
+    edges = (0, *CUTOFFS, V)
+    for pos in np.ndindex(tokens.shape):
+        v = tokens[pos]
+        i = 0 if div_val == 1 else int(np.searchsorted(CUTOFFS, v, side="right"))
+        row = tables[i][v - (0 if div_val == 1 else edges[i])]
+        assert row.shape == (d_embed // div_val**i,)
+        expected = row if projs[i] is None else row @ projs[i]
+        np.testing.assert_allclose(out[pos], expected * np.sqrt(d_model), rtol=1e-5, atol=1e-5)
+
+
+class _LM(nnx.Module):
+    """Adaptive embedding in, adaptive softmax out: the smallest model that uses tying."""
+
+    def __init__(self, tie: bool, div_val: int, *, rngs: nnx.Rngs):
+        self.embed = AdaptiveEmbedding(V, 16, 12, CUTOFFS, div_val, rngs=rngs)
+        self.out = AdaptiveLogSoftmax(
+            V,
+            16,
+            12,
+            CUTOFFS,
+            div_val,
+            rngs=rngs,
+            tie_embedding=self.embed if tie else None,
+            tie_projs=(False, True, True, True) if tie else None,
+        )
+
+    def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        return self.out.nll(jnp.tanh(self.embed(tokens)), targets).mean()
+
+
+def _num_params(module: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+@pytest.mark.parametrize("div_val", [1, 2])
+def test_tied_weights_and_projections_are_the_embedding_variables(div_val):
+    tied, untied = _LM(True, div_val, rngs=_rngs()), _LM(False, div_val, rngs=_rngs())
+    emb, out = tied.embed, tied.out
+    assert all(a is b for a, b in zip(out.tables, emb.tables, strict=True))
+    assert out.projs[0] is not emb.projs[0]  # tie_projs[0] is False
+    for i in (1, 2, 3):  # with div_val == 1 every cluster shares the one embedding projection
+        assert out.projs[i] is emb.projs[0 if div_val == 1 else i]
+    assert out.bias is not None and "bias" not in nnx.state(emb)
+    tied_size = sum(t[...].size for t in emb.tables) + sum(
+        emb.projs[0 if div_val == 1 else i][...].size for i in (1, 2, 3)
+    )
+    assert _num_params(tied) == _num_params(untied) - tied_size
+    assert "tables" not in nnx.state(tied, nnx.Param)["out"]  # one variable, listed once
+
+
+@pytest.mark.parametrize("div_val", [1, 2])
+def test_tied_gradient_is_the_sum_of_both_uses(div_val):
+    """Untied copies with equal values: d loss / d shared = grad(embedding) + grad(softmax)."""
+    tied, untied = _LM(True, div_val, rngs=_rngs()), _LM(False, div_val, rngs=_rngs())
+    _randomize(tied)
+    nnx.update(untied.embed, nnx.state(tied.embed, nnx.Param))
+    nnx.update(untied.out, nnx.state(tied.out, nnx.Param))
+    for mine, theirs in zip(untied.out.projs, tied.out.projs, strict=True):  # state lists a
+        if mine is not None:  # variable shared by several clusters only once
+            mine[...] = theirs[...]
+    tokens, targets = jnp.asarray(_targets(CUTOFFS)), jnp.asarray(_targets(CUTOFFS))
+    loss_t, g_t = nnx.value_and_grad(lambda m: m.loss(tokens, targets))(tied)
+    loss_u, g_u = nnx.value_and_grad(lambda m: m.loss(tokens, targets))(untied)
+    np.testing.assert_allclose(loss_t, loss_u, rtol=1e-6)
+    for g in range(len(tied.embed.tables)):
+        in_grad, out_grad = _np(g_u["embed"]["tables"][g]), _np(g_u["out"]["tables"][g])
+        assert np.abs(in_grad).max() > 0 and np.abs(out_grad).max() > 0
+        np.testing.assert_allclose(
+            _np(g_t["embed"]["tables"][g]), in_grad + out_grad, rtol=1e-4, atol=1e-7
+        )
+    shared_proj = _np(g_t["embed"]["projs"][0 if div_val == 1 else 1])
+    expected = _np(g_u["embed"]["projs"][0 if div_val == 1 else 1])
+    expected += sum(_np(g_u["out"]["projs"][i]) for i in ((1, 2, 3) if div_val == 1 else (1,)))
+    np.testing.assert_allclose(shared_proj, expected, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        _np(g_t["out"]["projs"][0]), _np(g_u["out"]["projs"][0]), rtol=1e-4, atol=1e-7
+    )
+
+
+def test_jit_traces_once_with_static_shapes():
+    model = _LM(True, 2, rngs=_rngs())
+    _randomize(model)
+    traces = []
+
+    @nnx.jit
+    def step(m, tokens, targets):
+        traces.append(tokens.shape)
+        h = jnp.tanh(m.embed(tokens))
+        return m.out.nll(h, targets), m.out.log_probs(h)
+
+    for _ in range(3):
+        tokens, targets = jnp.asarray(_targets(CUTOFFS)), jnp.asarray(_targets(CUTOFFS))
+        nll, log_p = step(model, tokens, targets)
+        assert nll.shape == (3, 7) and log_p.shape == (3, 7, V)
+        h = jnp.tanh(model.embed(tokens))
+        np.testing.assert_allclose(nll, model.out.nll(h, targets), rtol=1e-5, atol=1e-6)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize(
+    "cutoffs, div_val, d_embed",
+    [((10, 10), 1, 16), ((0, 10), 1, 16), ((10, 50), 1, 16), ((10, 25), 8, 16)],
+)
+def test_bad_layouts_raise(cutoffs, div_val, d_embed):
+    with pytest.raises(ValueError):
+        AdaptiveEmbedding(V, d_embed, 16, cutoffs, div_val, rngs=_rngs())
+    with pytest.raises(ValueError):
+        AdaptiveLogSoftmax(V, d_embed, 16, cutoffs, div_val, rngs=_rngs())
+
+
+def test_tying_needs_a_matching_embedding():
+    emb = AdaptiveEmbedding(V, 16, 12, CUTOFFS, 2, rngs=_rngs())
+    with pytest.raises(ValueError):
+        AdaptiveLogSoftmax(V, 16, 12, CUTOFFS, 1, rngs=_rngs(), tie_embedding=emb)
+    with pytest.raises(ValueError):
+        AdaptiveLogSoftmax(V, 16, 12, CUTOFFS, 2, rngs=_rngs(), tie_projs=(True,) * 4)
+    with pytest.raises(ValueError):
+        AdaptiveLogSoftmax(
+            V, 16, 12, CUTOFFS, 2, rngs=_rngs(), tie_embedding=emb, tie_projs=(True,)
+        )
