@@ -1,11 +1,17 @@
-"""Translate a split or a text file with a trained workdir and score it with BLEU.
+"""Evaluate a trained workdir: BLEU for translation, perplexity / bits per character for LMs.
+
+Translation (translates every line, scores with BLEU):
 
     python eval.py --workdir=workdirs/multi30k_ende --split=test_2016_flickr
-    python eval.py --workdir=workdirs/multi30k_ende --input=my.en --reference=my.de \
+    python eval.py --workdir=workdirs/multi30k_ende --input=my.en --reference=my.de \\
         --output=my.hyp.de
 
-Writes one hypothesis line per input line. With references it reports sacreBLEU (cased,
-detokenized, with its signature) and the lowercased Moses-tokenized BLEU of Multi30k papers.
+Language modelling (scores every token of the split once; lengths independent of training):
+
+    python eval.py --workdir=workdirs/ptb_xl --split=test --segment_length=64 --mem_len=640 \\
+        --clamp_len=400 --same_length
+
+Results are printed as JSON and written to <workdir>/eval_<name>.json.
 """
 
 import json
@@ -19,18 +25,41 @@ from xformer import experiment as experiment_lib
 from xformer.bleu import bleu_report
 from xformer.data.sources import read_parallel_files, read_text_lines
 from xformer.data.translation import split_text
-from xformer.translate import Translator
+from xformer.tasks import make_task
+from xformer.tasks.language_modeling import EvalSettings
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir.")
 _SPLIT = flags.DEFINE_string("split", None, "Dataset split (default: config.data.test_split).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_BATCH = flags.DEFINE_integer("batch_size", None, "Override config.eval.batch_size.")
+# Translation
 _INPUT = flags.DEFINE_string("input", None, "Translate this text file instead of a split.")
 _REFERENCE = flags.DEFINE_string("reference", None, "References for --input (optional).")
 _OUTPUT = flags.DEFINE_string("output", None, "Hypotheses file (default: in the workdir).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _BEAM = flags.DEFINE_integer("beam_size", None, "Override config.eval.beam_size (1 = greedy).")
 _ALPHA = flags.DEFINE_float("length_penalty", None, "Override config.eval.length_penalty.")
-_BATCH = flags.DEFINE_integer("batch_size", None, "Override config.eval.batch_size.")
+# Language modelling
+_SEGMENT = flags.DEFINE_integer("segment_length", None, "Tokens scored per row per step.")
+_MEM_LEN = flags.DEFINE_integer("mem_len", None, "Transformer-XL memory length.")
+_CLAMP_LEN = flags.DEFINE_integer("clamp_len", None, "Clamp relative distances (0 = off).")
+_SAME_LENGTH = flags.DEFINE_bool("same_length", None, "Every query sees mem_len keys.")
+_STRIDE = flags.DEFINE_integer(
+    "sliding_stride", None, "Memoryless sliding-window evaluation stride (absolute models)."
+)
 flags.mark_flag_as_required("workdir")
+
+TRANSLATION_FLAGS = {"input": _INPUT, "reference": _REFERENCE, "output": _OUTPUT}
+OVERRIDES = {
+    "encoder_decoder": {"beam_size": _BEAM, "length_penalty": _ALPHA, "batch_size": _BATCH},
+    "decoder_only": {
+        "batch_size": _BATCH,
+        "segment_length": _SEGMENT,
+        "mem_len": _MEM_LEN,
+        "clamp_len": _CLAMP_LEN,
+        "same_length": _SAME_LENGTH,
+        "sliding_stride": _STRIDE,
+    },
+}
 
 
 def main(argv):
@@ -39,10 +68,53 @@ def main(argv):
     experiment_lib.quiet_library_logs()
     workdir = _WORKDIR.value
     config = experiment_lib.load_config(workdir)
-    for key, flag in (("beam_size", _BEAM), ("length_penalty", _ALPHA), ("batch_size", _BATCH)):
-        if flag.value is not None:
-            config.eval[key] = flag.value
+    family = config.model.family
+    for other, flag_map in OVERRIDES.items():
+        for key, flag in flag_map.items():
+            if flag.value is not None and key not in OVERRIDES[family]:
+                raise app.UsageError(f"--{key} is for {other} models; {workdir} is {family}")
+    if family != "encoder_decoder":
+        for key, flag in TRANSLATION_FLAGS.items():
+            if flag.value is not None:
+                raise app.UsageError(f"--{key} is for translation; {workdir} is {family}")
+    with config.unlocked():
+        for key, flag in OVERRIDES[family].items():
+            if flag.value is not None:
+                config.eval[key] = flag.value
+    if family == "decoder_only":
+        result = evaluate_language_model(config, workdir)
+    else:
+        result = evaluate_translation(config, workdir)
+    with open(os.path.join(workdir, f"eval_{result['name']}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
 
+
+def _restore(task) -> tuple[dict, object]:
+    exp = task.exp
+    state, _ = exp.checkpointer.restore(exp.abstract_state(task.init_carry()), _STEP.value)
+    return state, jax.device_put(exp.rest, exp.replicated)
+
+
+def evaluate_language_model(config, workdir: str) -> dict:
+    split = _SPLIT.value or config.data.test_split
+    task = make_task(config, workdir, train_if_missing=False)
+    task.stream(split)  # read and encode before restoring, so bad data fails fast
+    state, rest = _restore(task)
+    settings = EvalSettings.from_config(config)
+    result = task.score(state["params"], rest, split, settings, log_every_s=30)
+    logging.info("%s at step %d: %s", split, int(state["step"]), task.summary(result))
+    return {
+        "name": split,
+        "step": int(state["step"]),
+        "dataset": config.data.dataset,
+        "metric": task.corpus.metric,
+        **result,
+        **{f"eval_{k}": v for k, v in vars(settings).items()},
+    }
+
+
+def evaluate_translation(config, workdir: str) -> dict:
     # Read every input before compiling anything, so bad files fail fast.
     if _INPUT.value:
         if _REFERENCE.value:
@@ -56,23 +128,11 @@ def main(argv):
         name = _SPLIT.value or config.data.test_split
         sources, references = split_text(config, name)
 
-    exp = experiment_lib.setup(config, workdir, train_if_missing=False)
-    state, _ = exp.checkpointer.restore(exp.abstract_state(), _STEP.value)
+    task = make_task(config, workdir, train_if_missing=False)
+    state, rest = _restore(task)
     step = int(state["step"])
-    translator = Translator(
-        exp.eval_graphdef,
-        exp.model_cfg,
-        exp.src_tok,
-        exp.tgt_tok,
-        beam_size=config.eval.beam_size,
-        length_penalty=config.eval.length_penalty,
-        max_decode_extra=config.eval.max_decode_extra,
-        batch_size=config.eval.batch_size,
-        mesh=exp.mesh,
-    )
     start = time.time()
-    rest = jax.device_put(exp.rest, exp.replicated)
-    hyps = translator.translate(state["params"], rest, sources, log_every=5)
+    hyps = task.translator().translate(state["params"], rest, sources, log_every=5)
     seconds = time.time() - start
     assert len(hyps) == len(sources)
 
@@ -82,6 +142,7 @@ def main(argv):
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, "w", encoding="utf-8") as f:
         f.writelines(h + "\n" for h in hyps)
+    logging.info("wrote %d translations to %s", len(hyps), output)
     result = {
         "name": name,
         "step": step,
@@ -93,10 +154,7 @@ def main(argv):
     }
     if references is not None:
         result.update(bleu_report(hyps, references, config.data.target_lang).as_dict())
-    with open(os.path.join(workdir, f"eval_{name}.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    logging.info("wrote %d translations to %s", len(hyps), output)
-    print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from xformer import config as config_lib
-from xformer.experiment import model_config
 from xformer.models import EncoderDecoder
+from xformer.tasks.translation import model_config
 from xformer.train_lib import train_and_evaluate
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))

@@ -13,7 +13,7 @@ from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 from xformer.decoding import beam_search, greedy_search
 from xformer.losses import cross_entropy
 from xformer.models import EncoderDecoder, TransformerConfig
-from xformer.train_lib import padded_batches
+from xformer.tasks.translation import padded_batches
 
 
 def _lines(path, n):

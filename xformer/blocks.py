@@ -1,4 +1,5 @@
-"""Transformer blocks: position-wise FFN and encoder/decoder layers with pre- or post-LN."""
+"""Transformer blocks: position-wise FFN, encoder/decoder and Transformer-XL layers, pre- or
+post-LN."""
 
 from collections.abc import Callable
 
@@ -7,6 +8,7 @@ from flax import nnx
 
 from xformer.attention import MultiHeadAttention
 from xformer.dropout import Dropout
+from xformer.relative_attention import RelativeBiases, RelativeMultiHeadAttention
 
 
 class FeedForward(nnx.Module):
@@ -91,3 +93,36 @@ class DecoderBlock(nnx.Module):
         x = self.self_res(x, attend)
         x = self.cross_res(x, lambda h: self.cross_attn(h, cross_mask, kv=cross_kv))
         return self.ffn_res(x, self.ffn), new_cache["kv"]
+
+
+class XLBlock(nnx.Module):
+    """Transformer-XL layer: relative self-attention over [memory ; segment], then the FFN."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.attn = RelativeMultiHeadAttention(
+            d,
+            cfg.num_heads,
+            dropout=cfg.attention_dropout,
+            own_biases=cfg.untie_relative_biases,
+            rngs=rngs,
+        )
+        self.ffn = FeedForward(d, cfg.d_ff, dropout=cfg.relu_dropout, rngs=rngs)
+        self.attn_res, self.ffn_res = (
+            Residual(d, pre_norm=cfg.pre_norm, dropout=cfg.dropout, rngs=rngs) for _ in range(2)
+        )
+
+    def __call__(
+        self,
+        x: jax.Array,
+        memory: jax.Array | None,
+        r: jax.Array,
+        mask: jax.Array,
+        biases: RelativeBiases | None,
+    ) -> jax.Array:
+        """x [B, Lq, d], memory [B, Lm, d] (this layer's input states of earlier segments),
+        r [Lm + Lq, d], mask [B or 1, 1, Lq, Lm + Lq] -> [B, Lq, d]."""
+        if memory is not None and self.attn_res.pre_norm:  # keys see normalised memory too
+            memory = self.attn_res.norm(memory)
+        x = self.attn_res(x, lambda h: self.attn(h, memory, r, mask, biases))
+        return self.ffn_res(x, self.ffn)

@@ -1,9 +1,10 @@
-"""What train.py and eval.py share: mesh, tokenizers, model graph, abstract state, checkpoints."""
+"""What every model family shares: mesh, model graphs, train state, optimizer, checkpoints."""
 
 import dataclasses
 import json
 import logging
 import os
+from typing import Any
 
 import jax
 import ml_collections
@@ -13,38 +14,21 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xformer import config as config_lib
 from xformer.checkpoint import Checkpointer
-from xformer.data.tokenizer import Tokenizer
-from xformer.data.translation import load_tokenizers
-from xformer.models import EncoderDecoder, TransformerConfig
 from xformer.optim import make_optimizer
 
 CONFIG_FILE = "config.json"
 
 
-def model_config(
-    config: ml_collections.ConfigDict, src_vocab: int, tgt_vocab: int
-) -> TransformerConfig:
-    m = config.model
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    kwargs = {k: v for k, v in m.items() if k in fields}
-    return TransformerConfig(
-        src_vocab_size=src_vocab,
-        tgt_vocab_size=tgt_vocab,
-        pre_norm=m.layer_norm == "pre",
-        **kwargs,
-    )
-
-
 @dataclasses.dataclass
 class Experiment:
+    """Everything a model family needs to train and evaluate, independent of the family."""
+
     config: ml_collections.ConfigDict
     workdir: str
     mesh: Mesh
-    src_tok: Tokenizer
-    tgt_tok: Tokenizer
-    model_cfg: TransformerConfig
+    model_cls: type[nnx.Module]
+    model_cfg: Any  # the family's frozen model dataclass
     train_graphdef: nnx.GraphDef  # dropout active
     eval_graphdef: nnx.GraphDef  # deterministic
     rest: nnx.State  # non-parameter model state (dropout RNG streams), reseeded every step
@@ -59,22 +43,33 @@ class Experiment:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P("data"))
 
-    def init_state(self) -> dict:
-        """A fresh train state {"step", "params", "opt_state"}, replicated over the mesh."""
+    def make_model(self, rngs: nnx.Rngs) -> nnx.Module:
+        return self.model_cls(self.model_cfg, rngs=rngs)
+
+    def init_state(self, carry: Any = None) -> dict:
+        """A fresh train state {"step", "params", "opt_state", "carry"}, replicated over the
+        mesh; `carry` is state that flows from step to step (e.g. an XL memory), already sharded.
+        """
 
         def init():
-            model = EncoderDecoder(self.model_cfg, rngs=nnx.Rngs(self.config.train.seed))
-            params = nnx.state(model, nnx.Param)
+            params = nnx.state(self.make_model(nnx.Rngs(self.config.train.seed)), nnx.Param)
             return {
                 "step": jax.numpy.zeros((), jax.numpy.int32),
                 "params": params,
                 "opt_state": self.tx.init(params),
             }
 
-        return jax.jit(init, out_shardings=self.replicated)()
+        return {**jax.jit(init, out_shardings=self.replicated)(), "carry": carry or {}}
 
-    def abstract_state(self) -> dict:
-        return jax.eval_shape(self.init_state)
+    def abstract_state(self, carry: Any = None) -> dict:
+        return jax.eval_shape(lambda: self.init_state(carry))
+
+    def graphdef_for(self, model_cfg: Any) -> nnx.GraphDef:
+        """An evaluation graph for a variant of the model config with the same parameters
+        (e.g. Transformer-XL evaluated with another clamp_len)."""
+        model = nnx.eval_shape(lambda: self.model_cls(model_cfg, rngs=nnx.Rngs(0)))
+        model.eval()
+        return nnx.split(model, nnx.Param, ...)[0]
 
 
 def quiet_library_logs() -> None:
@@ -93,10 +88,12 @@ def make_mesh() -> Mesh:
 
 
 def setup(
-    config: ml_collections.ConfigDict, workdir: str, *, train_if_missing: bool = True
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    model_cls: type[nnx.Module],
+    model_cfg: Any,
 ) -> Experiment:
-    """Validate the config, then build tokenizers (training them if needed) and the model graph."""
-    config_lib.validate(config)
+    """Mesh, model graphs, optimizer and checkpointer for a validated config."""
     mesh = make_mesh()
     for key in ("train.batch_size", "eval.batch_size"):
         section, name = key.split(".")
@@ -106,22 +103,17 @@ def setup(
                 "devices"
             )
     os.makedirs(workdir, exist_ok=True)
-    src_tok, tgt_tok = load_tokenizers(config, workdir, train_if_missing=train_if_missing)
-    model_cfg = model_config(config, src_tok.vocab_size, tgt_tok.vocab_size)
-    model = nnx.eval_shape(lambda: EncoderDecoder(model_cfg, rngs=nnx.Rngs(config.train.seed)))
+    model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=nnx.Rngs(0)))
     train_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     model.eval()
     eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     # Only the RNG-stream state is kept; under jit XLA drops the unused parameter init.
-    rest = jax.jit(
-        lambda: nnx.state(EncoderDecoder(model_cfg, rngs=nnx.Rngs(0)), nnx.Not(nnx.Param))
-    )()
+    rest = jax.jit(lambda: nnx.state(model_cls(model_cfg, rngs=nnx.Rngs(0)), nnx.Not(nnx.Param)))()
     return Experiment(
         config=config,
         workdir=workdir,
         mesh=mesh,
-        src_tok=src_tok,
-        tgt_tok=tgt_tok,
+        model_cls=model_cls,
         model_cfg=model_cfg,
         train_graphdef=train_graphdef,
         eval_graphdef=eval_graphdef,

@@ -56,3 +56,22 @@ def positions_from_segments(segments: jax.Array) -> jax.Array:
     )
     last_start = jax.lax.cummax(jnp.where(starts, idx, 0), axis=segments.ndim - 1)
     return (idx - last_start).astype(jnp.int32)
+
+
+def memory_causal_mask(
+    q_len: int, mem_len: int, mem_valid: jax.Array | int, *, window: int = 0
+) -> jax.Array:
+    """Causal mask of a segment over [memory ; segment] keys: [B or 1, 1, Lq, Lm + Lq].
+
+    Query i sits at key index Lm + i. It sees key j when the distance Lm + i - j is >= 0, the
+    key is not an empty memory slot (only the last `mem_valid` of the Lm slots hold states;
+    a scalar or one count per row [B]), and, with window > 0, the distance is < window
+    (Transformer-XL's `same_length`: every query sees the same number of keys).
+    """
+    keys = jnp.arange(mem_len + q_len)
+    distance = (mem_len + jnp.arange(q_len))[:, None] - keys[None, :]  # [Lq, Lk]
+    mask = distance >= 0
+    if window > 0:
+        mask &= distance < window
+    filled = keys >= mem_len - jnp.reshape(jnp.asarray(mem_valid), (-1, 1))  # [B or 1, Lk]
+    return mask[None, None] & filled[:, None, None, :]

@@ -1,0 +1,23 @@
+"""Model families as tasks: what data, model, loss and evaluation the generic train loop runs.
+
+A task exposes `exp` (the shared Experiment), `train_batches()` (a host-local batch iterator
+with get_state/set_state), `init_carry()` (state carried from step to step, e.g. an XL memory),
+`loss_terms(model, batch, carry) -> (loss_sum, sums, carry)` where sums holds "nll_sum",
+"tokens" (scored) and "input_tokens", and `evaluate(params, rest) -> (metrics, summary line)`.
+"""
+
+import ml_collections
+
+from xformer import config as config_lib
+
+
+def make_task(config: ml_collections.ConfigDict, workdir: str, *, train_if_missing: bool = True):
+    """Validate the config and build the task of its model family."""
+    config_lib.validate(config)
+    if config.model.family == "decoder_only":
+        from xformer.tasks.language_modeling import LanguageModelingTask
+
+        return LanguageModelingTask(config, workdir, train_if_missing=train_if_missing)
+    from xformer.tasks.translation import TranslationTask
+
+    return TranslationTask(config, workdir, train_if_missing=train_if_missing)

@@ -1,0 +1,168 @@
+"""Translation with the encoder-decoder: packed training pairs, loss, validation BLEU."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from xformer import experiment as experiment_lib
+from xformer.bleu import bleu_report
+from xformer.data.pipeline import (
+    EncodedPairs,
+    bucket_length,
+    packed_train_dataset,
+    pad_rows,
+    sorted_batches,
+)
+from xformer.data.tokenizer import BOS_ID
+from xformer.data.translation import load_tokenizers, split_text
+from xformer.losses import cross_entropy
+from xformer.models import EncoderDecoder, TransformerConfig
+from xformer.translate import Translator
+
+MODEL_INPUTS = ("src", "tgt_in", "src_segments", "tgt_segments", "src_positions", "tgt_positions")
+
+
+def model_config(
+    config: ml_collections.ConfigDict, src_vocab: int, tgt_vocab: int
+) -> TransformerConfig:
+    m = config.model
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kwargs = {k: v for k, v in m.items() if k in fields}
+    return TransformerConfig(
+        src_vocab_size=src_vocab,
+        tgt_vocab_size=tgt_vocab,
+        pre_norm=m.layer_norm == "pre",
+        **kwargs,
+    )
+
+
+def loss_terms(model, batch: dict, label_smoothing: float) -> tuple[jax.Array, dict]:
+    logits = model(*(batch[k] for k in MODEL_INPUTS))
+    weights = (batch["tgt_segments"] > 0).astype(jnp.float32)
+    loss_sum, nll_sum = cross_entropy(logits, batch["tgt_out"], weights, label_smoothing)
+    tokens = weights.sum()
+    input_tokens = (batch["src_segments"] > 0).sum().astype(jnp.float32) + tokens
+    return loss_sum, {"nll_sum": nll_sum, "tokens": tokens, "input_tokens": input_tokens}
+
+
+def padded_batches(pairs: EncodedPairs, batch_size: int) -> list[dict[str, np.ndarray]]:
+    """Every pair exactly once, in fixed-size batches of similar length (no length filter)."""
+    batches = []
+    for idx in sorted_batches(
+        [max(len(s), len(t)) for s, t in zip(pairs.src, pairs.tgt, strict=True)], batch_size
+    ):
+        length = bucket_length(max(max(len(pairs.src[i]), len(pairs.tgt[i])) for i in idx))
+        tgt_out = pad_rows([pairs.tgt[i] for i in idx], length, batch_size)
+        tgt_in = np.concatenate([np.full((batch_size, 1), BOS_ID, np.int32), tgt_out[:, :-1]], 1)
+        segments = (tgt_out > 0).astype(np.int32)
+        positions = np.broadcast_to(np.arange(length, dtype=np.int32), tgt_out.shape)
+        src = pad_rows([pairs.src[i] for i in idx], length, batch_size)
+        batches.append(
+            {
+                "src": src,
+                "src_segments": (src > 0).astype(np.int32),
+                "src_positions": positions,
+                "tgt_in": tgt_in,
+                "tgt_out": tgt_out,
+                "tgt_segments": segments,
+                "tgt_positions": positions,
+            }
+        )
+    return batches
+
+
+class TranslationTask:
+    def __init__(
+        self, config: ml_collections.ConfigDict, workdir: str, *, train_if_missing: bool = True
+    ):
+        self.config = config
+        self.src_tok, self.tgt_tok = load_tokenizers(
+            config, workdir, train_if_missing=train_if_missing
+        )
+        model_cfg = model_config(config, self.src_tok.vocab_size, self.tgt_tok.vocab_size)
+        self.exp = experiment_lib.setup(config, workdir, EncoderDecoder, model_cfg)
+        self._evaluator = None
+
+    def translator(self) -> Translator:
+        e = self.config.eval
+        return Translator(
+            self.exp.eval_graphdef,
+            self.exp.model_cfg,
+            self.src_tok,
+            self.tgt_tok,
+            beam_size=e.beam_size,
+            length_penalty=e.length_penalty,
+            max_decode_extra=e.max_decode_extra,
+            batch_size=e.batch_size,
+            mesh=self.exp.mesh,
+        )
+
+    def train_batches(self):
+        c = self.config
+        src, tgt = split_text(c, c.data.train_split)
+        pairs = EncodedPairs.from_text(src, tgt, self.src_tok, self.tgt_tok)
+        dataset = packed_train_dataset(
+            pairs,
+            batch_size=c.train.batch_size // jax.process_count(),
+            max_length=c.data.max_train_length,
+            seed=c.train.seed,
+            num_packing_bins=c.data.num_packing_bins,
+        )
+        return iter(dataset)
+
+    def init_carry(self) -> dict:
+        return {}
+
+    def loss_terms(self, model, batch: dict, carry: dict) -> tuple[jax.Array, dict, dict]:
+        loss_sum, sums = loss_terms(model, batch, self.config.train.label_smoothing)
+        return loss_sum, sums, carry
+
+    def evaluate(self, params, rest) -> tuple[dict, str]:
+        if self._evaluator is None:
+            self._evaluator = Evaluator(self, self.config.data.eval_split)
+        val = self._evaluator.loss(params, rest)
+        bleu, hyps = self._evaluator.bleu(params, rest, self.config.eval.bleu_sentences)
+        val.update(bleu=bleu["sacrebleu"], lc_tok_bleu=bleu["lc_tok_bleu"])
+        summary = (
+            f"nll {val['nll']:.3f} | ppl {val['perplexity']:.2f} | BLEU {val['bleu']:.2f} | "
+            f"lc-tok BLEU {val['lc_tok_bleu']:.2f}"
+        )
+        return {**val, "samples": "\n\n".join(hyps[:5])}, summary
+
+
+def _eval_step(graphdef, params, rest, batch: dict) -> dict:
+    model = nnx.merge(graphdef, params, rest)
+    _, sums = loss_terms(model, batch, 0.0)
+    return sums
+
+
+class Evaluator:
+    """Validation NLL/perplexity over every pair of a split, and BLEU of its translations."""
+
+    def __init__(self, task: TranslationTask, split: str):
+        c, self.exp = task.config, task.exp
+        self.src_lines, self.ref_lines = split_text(c, split)
+        pairs = EncodedPairs.from_text(self.src_lines, self.ref_lines, task.src_tok, task.tgt_tok)
+        self.batches = padded_batches(pairs, c.eval.batch_size)
+        self._eval_step = jax.jit(functools.partial(_eval_step, self.exp.eval_graphdef))
+        self.translator = task.translator()
+        self.target_lang = c.data.target_lang
+
+    def loss(self, params, rest) -> dict:
+        totals = None
+        for batch in self.batches:
+            out = self._eval_step(params, rest, jax.device_put(batch, self.exp.batch_sharding))
+            totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+        nll = float(totals["nll_sum"] / totals["tokens"])
+        return {"nll": nll, "perplexity": float(np.exp(nll))}
+
+    def bleu(self, params, rest, num_sentences: int = 0) -> tuple[dict, list[str]]:
+        n = num_sentences or len(self.src_lines)
+        hyps = self.translator.translate(params, rest, self.src_lines[:n])
+        report = bleu_report(hyps, self.ref_lines[:n], self.target_lang)
+        return report.as_dict(), hyps
