@@ -26,4 +26,5 @@ def get_config():
     c.model.positional = "sinusoidal"
     c.model.mem_len = 0
     c.eval.mem_len = 0
+    c.train.num_steps = 3500  # memoryless steps are faster: the same 60 minutes on one core
     return c

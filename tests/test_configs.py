@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 from xformer import config as config_lib
+from xformer.language_model import LanguageModel
 from xformer.models import EncoderDecoder
+from xformer.tasks.language_modeling import lm_config
 from xformer.tasks.translation import model_config
 from xformer.train_lib import train_and_evaluate
 
@@ -55,3 +57,16 @@ def test_wmt14_base_model_trains_on_multi30k_data(tmp_path, tfds_dir, multi30k_d
     # 6+6 layers of d_model 512 / d_ff 2048: 44.14M parameters besides the shared embedding
     # (the paper's 65M includes its 37k-token embedding).
     assert n_params - 1000 * 512 == 44_138_496
+
+
+@pytest.mark.parametrize(
+    "name,vocab,expected",
+    [
+        ("wt103_xl_base", 267_735, 151_107_538),  # paper Table 1: 151M
+        ("enwik8_xl_base", 256, 41_082_112),  # paper Table 2: 41M
+    ],
+)
+def test_transformer_xl_paper_configs_have_the_paper_sizes(name, vocab, expected):
+    config = load(Path(__file__).resolve().parents[1] / "configs" / f"{name}.py").get_config()
+    model = nnx.eval_shape(lambda: LanguageModel(lm_config(config, vocab), rngs=nnx.Rngs(0)))
+    assert sum(v.size for v in jax.tree.leaves(nnx.state(model, nnx.Param))) == expected

@@ -98,6 +98,27 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def lm_base_config(dataset: str) -> ml_collections.ConfigDict:
+    """`base_config()` set up for Transformer-XL language modelling on `dataset`: relative
+    positions, train/valid/test splits, the full training vocabulary, and the paper's optimizer
+    (Adam, cosine decay, gradient clipping at 0.25, no label smoothing)."""
+    c = base_config()
+    c.model.family = "decoder_only"
+    c.model.positional = "relative"
+    c.data.dataset = dataset
+    c.data.train_split, c.data.eval_split, c.data.test_split = "train", "valid", "test"
+    c.data.vocab_size = 0
+    c.train.schedule = "cosine"
+    c.train.b2 = 0.999
+    c.train.eps = 1e-8
+    c.train.grad_clip_norm = 0.25
+    c.train.label_smoothing = 0.0
+    c.train.eval_every = 1000
+    c.train.checkpoint_every = 1000
+    c.eval.batch_size = 10
+    return c
+
+
 def _flatten(c: ml_collections.ConfigDict, prefix: str = "") -> dict:
     out = {}
     for key, value in c.items():

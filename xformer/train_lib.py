@@ -91,8 +91,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             batch = global_batch(next(data_iter))  # host work overlaps the async device step
 
         if step % t.log_every == 0 or done:
-            sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)
+            sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)  # waits for the device
             dt = time.time() - interval_start
+            elapsed = time.time() - start_time  # dispatch runs ahead; time it after the sync
             steps_per_s = len(pending) / dt
             rate = (step - start_step) / elapsed
             remaining = (t.num_steps - step) / rate
