@@ -215,3 +215,21 @@ def test_four_simulated_devices_match_one_with_memory(tmp_path, tfds_dir, ptb):
     assert "CpuDevice(id=3)" in four.stderr
     l1, l4 = losses(tmp_path / "one"), losses(tmp_path / "four")
     np.testing.assert_allclose([l4[s] for s in (1, 2, 3)], [l1[s] for s in (1, 2, 3)], rtol=1e-4)
+
+
+def test_train_step_draws_fresh_dropout_masks_every_step(tmp_path, tfds_dir, ptb):
+    """Dropout keys come from (seed, step): the same step repeats its masks exactly, the next
+    step gets new ones (a stream the per-step re-keying misses would repeat one mask forever)."""
+    from xformer.train_lib import train_step
+
+    task = make_task(tiny_config(tfds_dir, **{"model.dropout": 0.3}), str(tmp_path))
+    state = task.exp.init_state(task.init_carry())
+    batch = next(task.train_batches())
+
+    def loss(state, rest, step_no):
+        return train_step(task, {**state, "step": step_no}, rest, batch)[1]["loss_sum"]
+
+    step = jax.jit(loss)
+    a, again, b = (float(step(state, task.exp.rest, np.int32(i))) for i in (0, 0, 1))
+    assert a == again
+    assert abs(a - b) > 1e-5 * abs(a)  # at initialisation dropout moves the loss only a little

@@ -52,7 +52,7 @@ class Experiment:
         """
 
         def init():
-            params = nnx.state(self.make_model(nnx.Rngs(self.config.train.seed)), nnx.Param)
+            params = nnx.state(self.make_model(model_rngs(self.config.train.seed)), nnx.Param)
             return {
                 "step": jax.numpy.zeros((), jax.numpy.int32),
                 "params": params,
@@ -67,9 +67,16 @@ class Experiment:
     def graphdef_for(self, model_cfg: Any) -> nnx.GraphDef:
         """An evaluation graph for a variant of the model config with the same parameters
         (e.g. Transformer-XL evaluated with another clamp_len)."""
-        model = nnx.eval_shape(lambda: self.model_cls(model_cfg, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: self.model_cls(model_cfg, rngs=model_rngs(0)))
         model.eval()
         return nnx.split(model, nnx.Param, ...)[0]
+
+
+def model_rngs(seed: int) -> nnx.Rngs:
+    """Parameter and dropout streams. The dropout stream must carry the "dropout" tag: the train
+    step re-keys it every step with `nnx.reseed(model, dropout=...)`, which ignores streams that
+    fell back to "default" (those would repeat the same dropout masks at every step)."""
+    return nnx.Rngs(params=seed, dropout=seed)
 
 
 def quiet_library_logs() -> None:
@@ -103,12 +110,14 @@ def setup(
                 "devices"
             )
     os.makedirs(workdir, exist_ok=True)
-    model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=model_rngs(0)))
     train_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     model.eval()
     eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     # Only the RNG-stream state is kept; under jit XLA drops the unused parameter init.
-    rest = jax.jit(lambda: nnx.state(model_cls(model_cfg, rngs=nnx.Rngs(0)), nnx.Not(nnx.Param)))()
+    rest = jax.jit(
+        lambda: nnx.state(model_cls(model_cfg, rngs=model_rngs(0)), nnx.Not(nnx.Param))
+    )()
     return Experiment(
         config=config,
         workdir=workdir,

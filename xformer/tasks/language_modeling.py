@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -95,6 +96,7 @@ class LanguageModelingTask:
             )
         self.corpus = LM_CORPORA[d.dataset]
         self._streams: dict[str, np.ndarray] = {}
+        self._eval_steps: dict[LMConfig, Callable] = {}  # compiled once per model variant
         self.vocab = self._load_vocab(workdir, train_if_missing)
         cutoffs = config.model.adaptive_cutoffs
         if cutoffs and cutoffs[-1] >= len(self.vocab):
@@ -150,7 +152,7 @@ class LanguageModelingTask:
     def init_carry(self) -> dict:
         if not self.mem_len:
             return {}
-        model = nnx.eval_shape(lambda: self.exp.make_model(nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: self.exp.make_model(experiment_lib.model_rngs(0)))
         init = functools.partial(model.init_memory, self.config.train.batch_size, self.mem_len)
         return jax.jit(init, out_shardings=_memory_sharding(self.exp.mesh))()
 
@@ -187,7 +189,6 @@ class LanguageModelingTask:
         model_cfg = dataclasses.replace(
             self.exp.model_cfg, clamp_len=s.clamp_len, same_length=s.same_length
         )
-        graphdef = self.exp.graphdef_for(model_cfg)
         if s.sliding_stride:
             batches = sliding_windows(
                 stream, s.batch_size, s.segment_length, s.sliding_stride, self.boundary_id
@@ -199,10 +200,15 @@ class LanguageModelingTask:
         mesh = self.exp.mesh
         memory = None
         if s.mem_len and not s.sliding_stride:
-            model = nnx.eval_shape(lambda: LanguageModel(model_cfg, rngs=nnx.Rngs(0)))
+            model = nnx.eval_shape(
+                lambda: LanguageModel(model_cfg, rngs=experiment_lib.model_rngs(0))
+            )
             init = functools.partial(model.init_memory, s.batch_size, s.mem_len)
             memory = jax.jit(init, out_shardings=_memory_sharding(mesh))()
-        step = jax.jit(functools.partial(_eval_step, graphdef))
+        if model_cfg not in self._eval_steps:
+            graphdef = self.exp.graphdef_for(model_cfg)
+            self._eval_steps[model_cfg] = jax.jit(functools.partial(_eval_step, graphdef))
+        step = self._eval_steps[model_cfg]
         sums = []  # per-batch (nll, tokens) on device; summed in float64 at the end
         start = last_log = time.time()
         for i, batch in enumerate(batches):
