@@ -11,7 +11,7 @@ prediction sees exactly A tokens of context (the token it is conditioned on and 
   own forward pass over a window of A inputs (`sliding_windows` with stride 1) and keeps only
   the last position. By default the softmax is computed for that position alone, the cheapest
   vanilla evaluation (`--vanilla_softmax=all` scores the whole window and weights all but the
-  last position by 0, as eval.py's `_eval_step` does);
+  last position by 0; eval.py's `--sliding_stride` also scores only the positions it needs);
 - Transformer-XL: relative positions with a memory of mem_len = A states per layer and
   same_length=True (every query attends to exactly A keys), scoring segments of S tokens
   (`--segment_length`; S = A when A < S) one after another with the memory carried
@@ -92,17 +92,6 @@ def make_model(cfg) -> LanguageModel:
     return model
 
 
-def _vanilla_last_step(graphdef, params, rest, batch: dict):
-    """The window's last position only: hidden states of the window, one softmax per row."""
-    model = nnx.merge(graphdef, params, rest)
-    hidden, _ = model.hidden(
-        batch["inputs"], positions=batch["positions"], key_valid=batch["key_valid"]
-    )
-    nll = model.softmax.nll(hidden[:, -1:], batch["targets"][:, -1:])
-    weights = batch["weights"][:, -1:]
-    return (nll * weights).sum(), weights.sum()
-
-
 def timed(fn, *args) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -130,10 +119,10 @@ def measure(length: int, args, xl_base, vanilla_model, stream, boundary_id) -> d
         if batch["weights"][:, :-1].any():
             raise AssertionError("stride 1 windows must score only their last position")
     v_batches = [jax.device_put(batch) for batch in v_batches]
-    if args.vanilla_softmax == "last":
-        v_step = jax.jit(functools.partial(_vanilla_last_step, v_graphdef))
-    else:
-        v_step = jax.jit(lambda p, r, batch: _eval_step(v_graphdef, p, r, None, batch)[:2])
+    last = 1 if args.vanilla_softmax == "last" else 0
+    v_step = jax.jit(
+        lambda p, r, batch: _eval_step(v_graphdef, p, r, None, batch, score_last=last)[:2]
+    )
 
     # Transformer-XL: B rows of `seg` tokens per segment, memory of `length` states.
     xl_cfg = dataclasses.replace(xl_base, same_length=True)

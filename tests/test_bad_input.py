@@ -118,3 +118,38 @@ def test_empty_lines_are_kept(tmp_path):
     path = tmp_path / "x.en"
     path.write_text("a\n\n\nb\n", encoding="utf-8")
     assert read_text_lines(str(path)) == ["a", "", "", "b"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"model.positional": "sinusoidal"}, r"memory .*needs model.positional='relative'"),
+        ({"model.mem_len": 0, "model.same_length": True}, r"same_length=True needs .*mem_len"),
+        ({"eval.sliding_stride": 1}, r"sliding_stride is for memoryless"),
+        ({"model.adaptive_cutoffs": (500, 200)}, r"adaptive_cutoffs must be increasing"),
+        ({"model.adaptive_cutoffs": (200,), "model.tie_projs": (True,)}, r"one entry per cluster"),
+        ({"model.family": "encoder_decoder"}, r"positional='relative' needs .*decoder_only"),
+        ({"data.segment_length": 0}, r"data.segment_length must be > 0"),
+    ],
+)
+def test_incompatible_language_model_options(overrides, message):
+    config = config_lib.lm_base_config("ptb")
+    config.model.mem_len = 16
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    with pytest.raises(ValueError, match=message):
+        config_lib.validate(config)
+
+
+def test_language_model_on_a_translation_corpus(tmp_path):
+    result = run(
+        [
+            "train.py",
+            "--config=configs/ptb_xl.py",
+            f"--workdir={tmp_path}",
+            "--config.data.dataset=multi30k",
+        ]
+    )
+    assert result.returncode != 0
+    assert "not a language-modelling corpus" in result.stderr and "'ptb'" in result.stderr

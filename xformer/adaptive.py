@@ -48,8 +48,8 @@ class Layout:
         return [(e - s, self.dims[g]) for g, (s, e) in enumerate(self.table_ranges)]
 
 
-def _param(rngs: nnx.Rngs, *shape: int) -> nnx.Param:
-    return nnx.Param(INIT(rngs.params(), shape))
+def _param(rngs: nnx.Rngs, *shape: int, init=INIT) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape))
 
 
 def _proj(rngs: nnx.Rngs, d: int, d_model: int) -> nnx.Param | None:
@@ -59,7 +59,8 @@ def _proj(rngs: nnx.Rngs, d: int, d_model: int) -> nnx.Param | None:
 class AdaptiveEmbedding(nnx.Module):
     """tokens [B, L] int -> [B, L, d_model]: per-cluster lookup, projection, times sqrt(d_model).
 
-    `tables[g]` [n_g, d_g]; `projs[g]` [d_g, d_model], or None where d_g == d_model.
+    `tables[g]` [n_g, d_g], initialised N(0, init_std); `projs[g]` [d_g, d_model], or None where
+    d_g == d_model.
     """
 
     def __init__(
@@ -71,9 +72,11 @@ class AdaptiveEmbedding(nnx.Module):
         div_val: int = 1,
         *,
         rngs: nnx.Rngs,
+        init_std: float = 0.02,
     ):
         self.layout = lay = Layout.make(vocab_size, d_embed, d_model, tuple(cutoffs), div_val)
-        self.tables = nnx.List([_param(rngs, n, d) for n, d in lay.table_shapes()])
+        init = nnx.initializers.normal(init_std)
+        self.tables = nnx.List([_param(rngs, n, d, init=init) for n, d in lay.table_shapes()])
         self.projs = nnx.List([_proj(rngs, d, d_model) for _, d in lay.table_shapes()])
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

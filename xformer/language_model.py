@@ -57,7 +57,10 @@ class LanguageModel(nnx.Module):
         self.cfg = cfg
         d, d_embed = cfg.d_model, cfg.d_embed or cfg.d_model
         adaptive = (cfg.vocab_size, d_embed, d, cfg.adaptive_cutoffs, cfg.div_val)
-        self.embed = AdaptiveEmbedding(*adaptive, rngs=rngs)
+        # Absolute positions are added to the embeddings at unit scale, so the embeddings
+        # start at unit scale too (Vaswani et al.); XL keeps its N(0, 0.02) tables.
+        init_std = 0.02 if cfg.relative else d_embed**-0.5
+        self.embed = AdaptiveEmbedding(*adaptive, rngs=rngs, init_std=init_std)
         self.dropout = Dropout(cfg.dropout, rngs=rngs)
         if cfg.relative:
             heads = cfg.num_heads, d // cfg.num_heads
@@ -96,9 +99,9 @@ class LanguageModel(nnx.Module):
         positions [B, L] (absolute models; default 0..L-1) and key_valid [B, L] (False marks
         left padding that no query may attend to) serve sliding-window evaluation.
         """
-        x = self.dropout(self.embed(tokens))
+        x = self.embed(tokens)
         if self.cfg.relative:
-            x, memory = self._relative_layers(x, memory)
+            x, memory = self._relative_layers(self.dropout(x), memory)
         else:
             if memory is not None:
                 raise ValueError("absolute-position models have no memory")

@@ -96,7 +96,7 @@ class LanguageModelingTask:
             )
         self.corpus = LM_CORPORA[d.dataset]
         self._streams: dict[str, np.ndarray] = {}
-        self._eval_steps: dict[LMConfig, Callable] = {}  # compiled once per model variant
+        self._eval_steps: dict[tuple, Callable] = {}  # compiled once per model variant
         self.vocab = self._load_vocab(workdir, train_if_missing)
         cutoffs = config.model.adaptive_cutoffs
         if cutoffs and cutoffs[-1] >= len(self.vocab):
@@ -111,9 +111,10 @@ class LanguageModelingTask:
 
     def _load_vocab(self, workdir: str, train_if_missing: bool):
         d = self.config.data
-        path = os.path.join(d.vocab_dir or os.path.join(workdir, "vocab"), f"{d.dataset}.vocab")
         if self.corpus.tokenization == "byte":
             return ByteVocab()
+        name = f"{d.dataset}-{d.vocab_size}" if d.vocab_size else d.dataset
+        path = os.path.join(d.vocab_dir or os.path.join(workdir, "vocab"), f"{name}.vocab")
         if os.path.exists(path):
             return (WordVocab if self.corpus.tokenization == "whitespace" else CharVocab).load(path)
         if not train_if_missing:
@@ -205,10 +206,12 @@ class LanguageModelingTask:
             )
             init = functools.partial(model.init_memory, s.batch_size, s.mem_len)
             memory = jax.jit(init, out_shardings=_memory_sharding(mesh))()
-        if model_cfg not in self._eval_steps:
+        key = (model_cfg, s.sliding_stride)
+        if key not in self._eval_steps:
             graphdef = self.exp.graphdef_for(model_cfg)
-            self._eval_steps[model_cfg] = jax.jit(functools.partial(_eval_step, graphdef))
-        step = self._eval_steps[model_cfg]
+            step_fn = functools.partial(_eval_step, graphdef, score_last=s.sliding_stride)
+            self._eval_steps[key] = jax.jit(step_fn)
+        step = self._eval_steps[key]
         sums = []  # per-batch (nll, tokens) on device; summed in float64 at the end
         start = last_log = time.time()
         for i, batch in enumerate(batches):
@@ -249,10 +252,15 @@ def _boundary_id(vocab) -> int:
     return int(vocab.encode(" ")[0]) if " " in vocab.chars else 0
 
 
-def _eval_step(graphdef, params, rest, memory, batch: dict):
+def _eval_step(graphdef, params, rest, memory, batch: dict, *, score_last: int = 0):
+    """Summed NLL and token count of one batch, and the updated memory. With score_last > 0
+    (sliding windows) only the last score_last positions of each row go through the softmax."""
     model = nnx.merge(graphdef, params, rest)
     extra = {k: batch[k] for k in ("positions", "key_valid") if k in batch}
     memory = reset_memory(memory, batch["reset"]) if "reset" in batch else memory
-    nll, memory = model(batch["inputs"], batch["targets"], memory, **extra)
-    weights = batch["weights"]
+    hidden, memory = model.hidden(batch["inputs"], memory, **extra)
+    targets, weights = batch["targets"], batch["weights"]
+    if score_last:
+        hidden, targets, weights = (x[:, -score_last:] for x in (hidden, targets, weights))
+    nll = model.softmax.nll(hidden, targets)
     return (nll * weights).sum(), weights.sum(), memory
