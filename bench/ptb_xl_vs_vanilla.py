@@ -25,10 +25,14 @@ XL_EVAL = {  # name -> eval.py flags; all at the training segment length
 }
 
 
-def launch(cmd: list[str], core: int, log: str) -> subprocess.Popen:
+def launch(cmd: list[str], core: int, log: str, stdout: str | None = None) -> subprocess.Popen:
+    """Run `python cmd` on one core; stderr (and stdout, unless given a file) go to `log`."""
     full = ["taskset", "-c", str(core), sys.executable, *cmd]
-    print(f"$ {' '.join(full)} > {log}", flush=True)
-    return subprocess.Popen(full, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    print(f"$ {' '.join(full)} 2> {log}", flush=True)
+    out = open(stdout, "w") if stdout else open(log, "w")
+    return subprocess.Popen(
+        full, cwd=ROOT, stdout=out, stderr=open(log, "a" if not stdout else "w")
+    )
 
 
 def wait(procs: list[subprocess.Popen]) -> None:
@@ -38,16 +42,14 @@ def wait(procs: list[subprocess.Popen]) -> None:
 
 
 def evaluate(workdir: str, split: str, flags: list[str], core: int, tag: str):
-    log = os.path.join(workdir, f"eval_{split}_{tag}.log")
+    log = os.path.join(ROOT, workdir, f"eval_{split}_{tag}.log")
     cmd = ["eval.py", f"--workdir={workdir}", f"--split={split}", *flags]
-    return launch(cmd, core, log), (workdir, split, tag)
+    result = os.path.join(ROOT, workdir, f"eval_{split}_{tag}.json")  # eval.py's printed JSON
+    return launch(cmd, core, log, stdout=result), (workdir, split, tag)
 
 
 def read_result(workdir: str, split: str, tag: str) -> dict:
-    src = os.path.join(ROOT, workdir, f"eval_{split}.json")
-    dst = os.path.join(ROOT, workdir, f"eval_{split}_{tag}.json")
-    os.replace(src, dst)
-    with open(dst) as f:
+    with open(os.path.join(ROOT, workdir, f"eval_{split}_{tag}.json")) as f:
         return json.load(f)
 
 

@@ -1,8 +1,8 @@
 """Transformer-XL on Penn Treebank (word level), sized for 60 minutes on a 2-core CPU.
 
     python train.py --config=configs/ptb_xl.py --workdir=workdirs/ptb_xl
-    python eval.py --workdir=workdirs/ptb_xl --split=test --mem_len=280 --clamp_len=200 \
-        --same_length
+    python eval.py --workdir=workdirs/ptb_xl --split=test
+    python eval.py --workdir=workdirs/ptb_xl --split=test --mem_len=140 --clamp_len=139
 
 Segments of 70 tokens attend over a memory of 70 cached states per layer during training; the
 evaluation memory can be longer than the training one. See README.md for the perplexity.
