@@ -9,18 +9,34 @@ Translation (translates every line, scores with BLEU):
 Language modelling (scores every token of the split once; lengths independent of training):
 
     python eval.py --workdir=workdirs/ptb_xl --split=test --segment_length=64 --mem_len=640 \\
-        --clamp_len=400 --same_length
+        --clamp_len=400 --decoder_mask=same_length
 
 Results are printed as JSON and written to <workdir>/eval_<name>.json.
+
+Comparing runs (e.g. the points of a sweep): one table row per workdir with the config values
+that differ, parameters, steps, training time, tokens/s, best validation and test metric, plus
+the validation curves against steps and training time (xformer/compare.py):
+
+    python eval.py --compare=workdirs/sweep/a,workdirs/sweep/b
+    python eval.py --compare='workdirs/sweep/*'        # a pattern, expanded here
+    python eval.py --compare workdirs/sweep/*          # expanded by the shell
+    python eval.py --compare='workdirs/sweep/*' --compare_out=reports/sweep
+
+--compare takes comma-separated workdirs or glob patterns (a pattern keeps the directories that
+hold a config.json); further arguments after it are more workdirs, as a shell expands a glob.
+The table is printed as markdown and written to <out>/compare.md and <out>/compare.csv, the
+plot to <out>/compare.png; <out> is --compare_out, by default the workdirs' common parent.
 """
 
 import json
 import os
+import sys
 import time
 
 import jax
 from absl import app, flags, logging
 
+from xformer import compare as compare_lib
 from xformer import experiment as experiment_lib
 from xformer.bleu import bleu_report
 from xformer.data.sources import read_parallel_files, read_text_lines
@@ -42,11 +58,15 @@ _ALPHA = flags.DEFINE_float("length_penalty", None, "Override config.eval.length
 _SEGMENT = flags.DEFINE_integer("segment_length", None, "Tokens scored per row per step.")
 _MEM_LEN = flags.DEFINE_integer("mem_len", None, "Transformer-XL memory length.")
 _CLAMP_LEN = flags.DEFINE_integer("clamp_len", None, "Clamp relative distances (0 = off).")
-_SAME_LENGTH = flags.DEFINE_bool("same_length", None, "Every query sees mem_len keys.")
-_STRIDE = flags.DEFINE_integer(
-    "sliding_stride", None, "Memoryless sliding-window evaluation stride (absolute models)."
+_MASK = flags.DEFINE_string(
+    "decoder_mask", None, "Masking scheme, e.g. same_length (every query sees mem_len keys)."
 )
-flags.mark_flag_as_required("workdir")
+_STRIDE = flags.DEFINE_integer(
+    "sliding_stride", None, "Memoryless sliding-window evaluation stride."
+)
+# Comparison
+_COMPARE = flags.DEFINE_string("compare", None, "Compare these workdirs (comma-separated, globs).")
+_COMPARE_OUT = flags.DEFINE_string("compare_out", None, "Where --compare writes its files.")
 
 TRANSLATION_FLAGS = {"input": _INPUT, "reference": _REFERENCE, "output": _OUTPUT}
 OVERRIDES = {
@@ -56,15 +76,23 @@ OVERRIDES = {
         "segment_length": _SEGMENT,
         "mem_len": _MEM_LEN,
         "clamp_len": _CLAMP_LEN,
-        "same_length": _SAME_LENGTH,
+        "decoder_mask": _MASK,
         "sliding_stride": _STRIDE,
     },
 }
 
 
 def main(argv):
+    if _COMPARE.value is not None:
+        if _WORKDIR.value is not None:
+            raise app.UsageError("give --workdir (evaluate) or --compare, not both")
+        return compare(argv[1:])
+    if _COMPARE_OUT.value is not None:
+        raise app.UsageError("--compare_out needs --compare")
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _WORKDIR.value is None:
+        raise app.UsageError("--workdir (or --compare) is required")
     experiment_lib.quiet_library_logs()
     workdir = _WORKDIR.value
     config = experiment_lib.load_config(workdir)
@@ -88,6 +116,18 @@ def main(argv):
     with open(os.path.join(workdir, f"eval_{result['name']}.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
+
+
+def compare(extra_workdirs: list[str]) -> None:
+    try:
+        workdirs = compare_lib.expand([_COMPARE.value, *extra_workdirs])
+        comparison = compare_lib.compare(workdirs)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"--compare: {e}")
+    out = _COMPARE_OUT.value or compare_lib.default_out_dir(workdirs)
+    paths = compare_lib.write(comparison, out)
+    print(compare_lib.to_markdown(comparison))
+    print("wrote " + ", ".join(paths.values()))
 
 
 def _restore(task) -> tuple[dict, object]:

@@ -1,16 +1,26 @@
-"""Train a model from an ml_collections config.
+"""Train a model from an ml_collections config, or run a sweep of configs.
 
     python train.py --config=configs/multi30k_ende.py --workdir=workdirs/multi30k
     python train.py --config=configs/multi30k_ende.py --config.model.num_heads=8 --workdir=...
 
 Re-running with the same --workdir resumes from its last checkpoint.
+
+A sweep (see xformer/sweep.py and configs/sweeps/) trains and evaluates each of its points
+in <workdir>/<point name>, one after the other, skipping finished points and resuming the rest;
+--dry_run prints each point's train.py / eval.py command lines and runs nothing:
+
+    python train.py --sweep=configs/sweeps/ptb_positional.py --workdir=workdirs/ptb_pos --dry_run
+    python train.py --sweep=configs/sweeps/ptb_positional.py --workdir=workdirs/ptb_pos
 """
+
+import sys
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from xformer import experiment as experiment_lib
+from xformer import sweep as sweep_lib
 from xformer import train_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
@@ -18,12 +28,28 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and vocabu
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Call jax.distributed.initialize() (multi-host; env-configured)."
 )
-flags.mark_flags_as_required(["config", "workdir"])
+_SWEEP = flags.DEFINE_string(
+    "sweep", None, "A sweep file (instead of --config): run each point in <workdir>/<name>."
+)
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "With --sweep: print the commands, run nothing.")
+flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if (_CONFIG.value is None) == (_SWEEP.value is None):
+        raise app.UsageError("give exactly one of --config and --sweep")
+    if _SWEEP.value is not None:
+        if _DISTRIBUTED.value:
+            raise app.UsageError("--distributed is for --config runs, not --sweep")
+        try:
+            sweep_lib.run(sweep_lib.load(_SWEEP.value), _WORKDIR.value, dry_run=_DRY_RUN.value)
+        except (ValueError, RuntimeError, OSError) as e:  # a bad point or a failed run
+            sys.exit(f"sweep {_SWEEP.value}: {e}")
+        return
+    if _DRY_RUN.value:
+        raise app.UsageError("--dry_run needs --sweep")
     experiment_lib.quiet_library_logs()
     if _DISTRIBUTED.value:
         jax.distributed.initialize()

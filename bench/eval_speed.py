@@ -13,7 +13,7 @@ prediction sees exactly A tokens of context (the token it is conditioned on and 
   vanilla evaluation (`--vanilla_softmax=all` scores the whole window and weights all but the
   last position by 0; eval.py's `--sliding_stride` also scores only the positions it needs);
 - Transformer-XL: relative positions with a memory of mem_len = A states per layer and
-  same_length=True (every query attends to exactly A keys), scoring segments of S tokens
+  the same_length mask (every query attends to exactly A keys), scoring segments of S tokens
   (`--segment_length`; S = A when A < S) one after another with the memory carried
   (`eval_segments`, eval.py's jitted `_eval_step` with the memory as an argument).
 
@@ -125,7 +125,7 @@ def measure(length: int, args, xl_base, vanilla_model, stream, boundary_id) -> d
     )
 
     # Transformer-XL: B rows of `seg` tokens per segment, memory of `length` states.
-    xl_cfg = dataclasses.replace(xl_base, same_length=True)
+    xl_cfg = dataclasses.replace(xl_base, mask="same_length")
     xl_model = make_model(xl_cfg)
     memory = xl_model.init_memory(b, length)
     x_graphdef, x_params, x_rest = nnx.split(xl_model, nnx.Param, ...)

@@ -2,7 +2,7 @@
 
     python train.py --config=configs/enwik8_xl_base.py --workdir=workdirs/enwik8_xl_base
     python eval.py --workdir=workdirs/enwik8_xl_base --split=test --segment_length=80 \
-        --mem_len=2100 --clamp_len=820 --same_length
+        --mem_len=2100 --clamp_len=820 --decoder_mask=same_length
 
 Settings of the paper's PyTorch `run_enwik8_base.sh`: 12 layers, d_model 512, 8 heads, d_ff
 2048, segments of 512 bytes with 512 cached states, Adam 2.5e-4 with cosine decay over 400k

@@ -2,7 +2,7 @@
 
     python train.py --config=configs/ptb_char_xl.py --workdir=workdirs/ptb_char_xl
     python eval.py --workdir=workdirs/ptb_char_xl --split=test --mem_len=450 --clamp_len=299 \
-        --same_length
+        --decoder_mask=same_length
 
 The 50 symbols are the characters, "_" (word boundary) and <eos> (line end), each one token.
 Trains for at most 25 minutes (the README's figure: on one core of the 2-core CPU).

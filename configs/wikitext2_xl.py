@@ -3,7 +3,7 @@
 
     python train.py --config=configs/wikitext2_xl.py --workdir=workdirs/wikitext2_xl
     python eval.py --workdir=workdirs/wikitext2_xl --split=test --mem_len=280 --clamp_len=149 \
-        --same_length
+        --decoder_mask=same_length
 
 Frequent words (the first 2,000 ids) share the head softmax; rarer words sit in two tail
 clusters with 4x and 16x smaller embeddings (div_val 4). Trains for at most 60 minutes.

@@ -2,7 +2,7 @@
 
     python train.py --config=configs/wt103_xl_base.py --workdir=workdirs/wt103_xl_base
     python eval.py --workdir=workdirs/wt103_xl_base --split=test --segment_length=64 \
-        --mem_len=640 --clamp_len=400 --same_length
+        --mem_len=640 --clamp_len=400 --decoder_mask=same_length
 
 Settings of the paper's PyTorch `run_wt103_base.sh`: 16 layers, d_model 410, 10 heads, d_ff
 2100, segments of 150 tokens with 150 cached states, adaptive input and softmax with cutoffs

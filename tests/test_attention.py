@@ -8,7 +8,9 @@ from flax import nnx
 
 from xformer import masks
 from xformer.attention import MultiHeadAttention, dot_product_attention
+from xformer.layout import Layout
 from xformer.models import EncoderDecoder, TransformerConfig
+from xformer.positional import SCHEMES
 
 
 def numpy_attention(q, k, v, mask):
@@ -36,7 +38,8 @@ def test_masks_truth_tables():
     seg = jnp.array([[1, 1, 2, 2, 2, 0]])
     pos = masks.positions_from_segments(seg)
     np.testing.assert_array_equal(pos, [[0, 1, 0, 1, 2, 0]])
-    m = np.asarray(masks.packed_mask(seg, seg, causal=True, q_positions=pos, k_positions=pos))[0, 0]
+    layout = Layout(6, 6)
+    m = np.asarray(masks.attention_mask("causal", layout, q_segments=seg, k_segments=seg))[0, 0]
     expected = np.array(
         [
             [1, 0, 0, 0, 0, 0],
@@ -49,14 +52,14 @@ def test_masks_truth_tables():
         bool,
     )
     np.testing.assert_array_equal(m, expected)
-    cross = np.asarray(masks.packed_mask(jnp.array([[1, 2, 0]]), jnp.array([[1, 1, 2, 0]])))[0, 0]
+    cross = np.asarray(masks.segment_mask(jnp.array([[1, 2, 0]]), jnp.array([[1, 1, 2, 0]])))[0, 0]
     np.testing.assert_array_equal(cross, [[1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
 
 
 def test_self_attention_module_matches_numpy():
     rng = np.random.default_rng()
     attn = MultiHeadAttention(
-        16, 4, dropout=0.0, cross=False, rngs=nnx.Rngs(int(rng.integers(1e6)))
+        16, 4, kind="self", dropout=0.0, rngs=nnx.Rngs(int(rng.integers(1e6)))
     )
     x = rng.standard_normal((2, 6, 16)).astype(np.float32)
     mask = np.tril(np.ones((6, 6), bool))[None, None].repeat(2, 0)
@@ -83,11 +86,12 @@ def tiny_model(seed: int, **overrides) -> EncoderDecoder:
     return model
 
 
+@pytest.mark.parametrize("positional", SCHEMES)
 @pytest.mark.parametrize("pre_norm", [False, True])
-def test_no_information_from_future_or_padding(pre_norm):
+def test_no_information_from_future_or_padding(pre_norm, positional):
     """Perturbing future target tokens or padded source tokens leaves earlier logits unchanged."""
     rng = np.random.default_rng()
-    model = tiny_model(int(rng.integers(1e6)), pre_norm=pre_norm)
+    model = tiny_model(int(rng.integers(1e6)), pre_norm=pre_norm, positional=positional)
     src = rng.integers(4, 40, (2, 9))
     src[:, 6:] = 0  # padding
     tgt = rng.integers(4, 40, (2, 7))
@@ -106,10 +110,11 @@ def test_no_information_from_future_or_padding(pre_norm):
     assert np.abs(out[:, 4:] - base[:, 4:]).max() > 1e-3  # and the future does change
 
 
-def test_packed_rows_equal_separate_examples():
+@pytest.mark.parametrize("positional", SCHEMES)
+def test_packed_rows_equal_separate_examples(positional):
     """Two pairs packed into one row give the same logits as each pair alone."""
     rng = np.random.default_rng()
-    model = tiny_model(int(rng.integers(1e6)))
+    model = tiny_model(int(rng.integers(1e6)), positional=positional)
     s1, s2 = rng.integers(4, 40, 5), rng.integers(4, 40, 3)
     t1, t2 = rng.integers(4, 40, 4), rng.integers(4, 40, 6)
     alone = [
@@ -134,16 +139,24 @@ def test_packed_rows_equal_separate_examples():
     np.testing.assert_allclose(packed[4:10], alone[1], atol=1e-4)
 
 
-@pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
-@pytest.mark.parametrize("pre_norm", [False, True])
-def test_cached_decoding_equals_full_decoding(positional, pre_norm):
+@pytest.mark.parametrize(
+    "positional,overrides",
+    [(name, {}) for name in SCHEMES]
+    + [
+        ("rope", {"pre_norm": True}),
+        ("relative", {"pre_norm": True, "untie_relative_biases": True, "clamp_len": 3}),
+        ("alibi", {"decoder_mask": "sliding_window", "attention_window": 3}),
+        ("t5_bias", {"encoder_mask": "sliding_window", "attention_window": 2}),
+    ],
+)
+def test_cached_decoding_equals_full_decoding(positional, overrides):
     rng = np.random.default_rng()
     model = tiny_model(
         int(rng.integers(1e6)),
         positional=positional,
-        pre_norm=pre_norm,
         share_embeddings=False,
         tie_output=False,
+        **overrides,
     )
     src = rng.integers(4, 40, (3, 8))
     src[0, 5:] = 0

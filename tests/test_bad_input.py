@@ -66,7 +66,7 @@ def test_d_model_not_divisible_by_heads(tmp_path):
 @pytest.mark.parametrize(
     "key,value,message",
     [
-        ("model.positional", "rotary", "allowed values"),
+        ("model.positional", "rotary", r"allowed values: \('none', 'sinusoidal', 'learned'"),
         ("model.dropout", 1.5, "model.dropout must be in"),
         ("data.vocab", "separate", "share_embeddings=True needs data.vocab='joint'"),
         ("model.d_model", "big", "must be int"),
@@ -123,18 +123,69 @@ def test_empty_lines_are_kept(tmp_path):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"model.positional": "sinusoidal"}, r"memory .*needs model.positional='relative'"),
-        ({"model.mem_len": 0, "model.same_length": True}, r"same_length=True needs .*mem_len"),
-        ({"eval.sliding_stride": 1}, r"sliding_stride is for memoryless"),
+        ({"model.positional": "sinusoidal"}, r"memory .*cannot be used with .*'sinusoidal'"),
+        ({"model.positional": "learned", "eval.mem_len": 0}, r"memory .*cannot be used"),
+        (
+            {"model.mem_len": 0, "model.decoder_mask": "same_length"},
+            r"same_length' needs .*mem_len",
+        ),
+        ({"eval.sliding_stride": 1}, r"sliding_stride needs a memoryless evaluation"),
         ({"model.adaptive_cutoffs": (500, 200)}, r"adaptive_cutoffs must be increasing"),
         ({"model.adaptive_cutoffs": (200,), "model.tie_projs": (True,)}, r"one entry per cluster"),
-        ({"model.family": "encoder_decoder"}, r"positional='relative' needs .*decoder_only"),
         ({"data.segment_length": 0}, r"data.segment_length must be > 0"),
+        ({"model.decoder_mask": "bidirectional"}, r"decoder_mask='bidirectional' cannot be used"),
+        ({"model.encoder_mask": "sliding_window"}, r"encoder_mask is for encoder_decoder"),
+        ({"model.decoder_mask": "sliding_window"}, r"attention_window=0 must be > 0 exactly"),
+        ({"model.attention_window": 8}, r"attention_window=8 must be > 0 exactly when"),
+        ({"model.decoder_mask": "prefix_lm"}, r"prefix_length=0 must be > 0 exactly when"),
+        (
+            {"model.decoder_mask": "prefix_lm", "model.prefix_length": 8},
+            r"prefix_lm' cannot be used with a memory",
+        ),
+        (
+            {
+                "model.mem_len": 0,
+                "model.decoder_mask": "prefix_lm",
+                "model.prefix_length": 8,
+                "data.segment_length": 64,
+                "eval.sliding_stride": 60,
+            },
+            r"prefix_lm windows can score at most .* = 57",
+        ),
+        ({"eval.decoder_mask": "prefix_lm"}, r"can switch prefix_lm neither on nor off"),
+        (
+            {"model.positional": "rope", "model.d_model": 18, "model.num_heads": 2},
+            r"rope' needs an even head size \(d_model / num_heads = 9\)",
+        ),
+        ({"model.positional": "rope", "model.clamp_len": 4}, r"clamp_len .* are for .*'relative'"),
+        ({"model.positional": "t5_bias", "model.relative_buckets": 2}, r"relative_buckets >= 4"),
+        ({"model.positional": "alibi", "model.untie_relative_biases": True}, r"not 'alibi'"),
     ],
 )
 def test_incompatible_language_model_options(overrides, message):
     config = config_lib.lm_base_config("ptb")
     config.model.mem_len = 16
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    with pytest.raises(ValueError, match=message):
+        config_lib.validate(config)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"model.decoder_mask": "prefix_lm", "model.prefix_length": 4}, r"cannot be used by a"),
+        ({"model.encoder_mask": "causal"}, r"encoder_mask='causal' cannot be used by a"),
+        ({"model.encoder_mask": "sliding_window"}, r"attention_window=0 must be > 0"),
+        (
+            {"model.positional": "t5_bias", "model.relative_max_distance": 8},
+            r"relative_max_distance > relative_buckets / 2",
+        ),
+    ],
+)
+def test_incompatible_translation_options(overrides, message):
+    config = config_lib.base_config()
     for key, value in overrides.items():
         section, name = key.split(".")
         config[section][name] = value

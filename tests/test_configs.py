@@ -32,6 +32,29 @@ def test_config_validates_and_documents_its_command(path):
     assert f"python train.py --config=configs/{path.name}" in module.__doc__
 
 
+VARIANTS = [(p, v) for p in CONFIGS for v in getattr(load(p), "VARIANTS", {})]
+
+
+@pytest.mark.parametrize("path,variant", VARIANTS, ids=lambda x: getattr(x, "stem", x))
+def test_config_variants_validate(path, variant):
+    module = load(path)
+    base, varied = config_lib._flatten(module.get_config()), module.get_config(variant)
+    config_lib.validate(varied)
+    changed = {k for k, v in config_lib._flatten(varied).items() if base[k] != v}
+    assert changed and changed <= set(module.VARIANTS[variant])
+    assert variant in module.__doc__
+
+
+def test_unknown_variants_and_override_keys_are_named():
+    module = load(CONFIGS[0].parent / "ptb_xl.py")
+    with pytest.raises(ValueError, match=r"unknown config variant 'vanila'; known: \['alibi'"):
+        module.get_config("vanila")
+    combined = module.get_config("vanilla,short")
+    assert combined.model.positional == "sinusoidal" and combined.train.num_steps == 900
+    with pytest.raises(ValueError, match=r"unknown config key 'model.positionl'"):
+        config_lib.override(module.get_config(), {"model.positionl": "rope"})
+
+
 def test_wmt14_base_model_trains_on_multi30k_data(tmp_path, tfds_dir, multi30k_dir):
     config = load(Path(__file__).resolve().parents[1] / "configs" / "wmt14_ende.py").get_config()
     multi30k = load(Path(__file__).resolve().parents[1] / "configs" / "multi30k_ende.py")

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from xformer.config import lm_base_config
-from xformer.data.lm_stream import TrainStream
+from xformer.data.lm_stream import TrainStream, sliding_windows
 from xformer.language_model import LanguageModel, reset_memory
 from xformer.tasks import make_task
 from xformer.tasks.language_modeling import EvalSettings
@@ -67,7 +67,7 @@ def test_xl_score_equals_one_pass_over_each_row(tmp_path, tfds_dir, ptb, batch_s
     stream = task.stream("valid")[:157]
     task._streams["short"] = stream
     params, rest = _params(task)
-    settings = EvalSettings(batch_size, 10, mem_len=200, clamp_len=0, same_length=False)
+    settings = EvalSettings(batch_size, 10, mem_len=200, clamp_len=0)
     result = task.score(params, rest, "short", settings)
 
     model = nnx.merge(task.exp.eval_graphdef, params, task.exp.rest)
@@ -92,7 +92,7 @@ def test_vanilla_sliding_window_equals_per_token_passes(tmp_path, tfds_dir, ptb)
     task._streams["short"] = stream
     params, rest = _params(task, seed=1)
     window = 8
-    settings = EvalSettings(4, window, mem_len=0, clamp_len=0, same_length=False, sliding_stride=1)
+    settings = EvalSettings(4, window, mem_len=0, clamp_len=0, sliding_stride=1)
     result = task.score(params, rest, "short", settings)
 
     model = nnx.merge(task.exp.eval_graphdef, params, task.exp.rest)
@@ -188,14 +188,15 @@ def test_train_resume_and_eval_every_token(tmp_path, tfds_dir, ptb):
             "--segment_length=32",
             "--mem_len=64",
             "--clamp_len=40",
-            "--same_length",
+            "--decoder_mask=same_length",
             "--batch_size=5",
         ]
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "eval_test.json").read_text())
     assert report["tokens"] == PTB_TEST_TOKENS
-    assert report["step"] == 6 and report["eval_mem_len"] == 64 and report["eval_same_length"]
+    assert report["step"] == 6 and report["eval_mem_len"] == 64
+    assert report["eval_mask"] == "same_length"
     assert report["perplexity"] == pytest.approx(math.exp(report["nll"]))
     assert 100 < report["perplexity"] < 10_000  # six steps: far from trained, far from broken
 
@@ -235,3 +236,18 @@ def test_train_step_draws_fresh_dropout_masks_every_step(tmp_path, tfds_dir, ptb
     a, again, b = (float(step(state, task.exp.rest, np.int32(i))) for i in (0, 0, 1))
     assert a == again
     assert abs(a - b) > 1e-5 * abs(a)  # at initialisation dropout moves the loss only a little
+
+
+def test_prefix_lm_evaluation_scores_each_token_once_and_never_inside_the_prefix():
+    config = lm_base_config("ptb")
+    config.model.mem_len, config.data.segment_length = 0, 12
+    config.model.decoder_mask, config.model.prefix_length = "prefix_lm", 5
+    settings = EvalSettings.from_config(config)
+    assert settings.sliding_stride == 12 - 5 + 1 and settings.mem_len == 0
+    stream = np.arange(1, 102)  # distinct tokens: each scored target names its position
+    scored = []
+    for batch in sliding_windows(stream, 3, 12, settings.sliding_stride, 0):
+        rows, offsets = np.nonzero(batch["weights"])
+        assert offsets.min() >= 5 - 1  # query offset >= P - 1: its target is after the prefix
+        scored += list(batch["targets"][rows, offsets])
+    assert sorted(scored) == list(stream)

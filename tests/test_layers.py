@@ -9,7 +9,7 @@ import pytest
 from xformer.dropout import Dropout
 from xformer.losses import cross_entropy
 from xformer.optim import learning_rate_schedule
-from xformer.positional import sinusoidal_encoding
+from xformer.positional.absolute import sinusoidal_encoding
 
 
 def test_sinusoidal_encoding_equals_paper_formula():

@@ -1,5 +1,6 @@
-"""Transformer-XL pieces against independent references: relative shift, relative attention,
-recurrence, masks, and the vanilla baseline."""
+"""Transformer-XL pieces against independent references: relative shift, recurrence under
+every scheme that allows a memory, memory masks, and the vanilla baseline. (Relative attention
+itself is checked against a pairwise numpy formula in test_positional.py.)"""
 
 import dataclasses
 
@@ -11,12 +12,12 @@ from flax import nnx
 
 from xformer import masks
 from xformer.language_model import LanguageModel, LMConfig
-from xformer.positional import sinusoidal_encoding
-from xformer.relative_attention import (
-    RelativeBiases,
-    RelativeMultiHeadAttention,
-    rel_shift,
-    relative_encoding,
+from xformer.layout import Layout
+from xformer.positional.absolute import sinusoidal_encoding
+from xformer.positional.xl_relative import (
+    XLRelativePositions,
+    relative_distances,
+    relative_shift,
 )
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -32,83 +33,47 @@ TINY = LMConfig(
 )
 
 
-@pytest.mark.parametrize("q_len,k_len", [(5, 5), (4, 11), (1, 6), (7, 9)])
-def test_rel_shift_equals_explicit_gather(q_len, k_len):
-    rng = np.random.default_rng(q_len * 100 + k_len)
-    x = rng.normal(size=(2, 3, q_len, k_len)).astype(np.float32)
-    shifted = np.asarray(rel_shift(jnp.asarray(x)))
-    mem = k_len - q_len
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_len,k_len,q_start", [(5, 5, 0), (4, 11, 7), (1, 6, 5), (7, 9, 2)])
+def test_relative_shift_equals_explicit_gather(q_len, k_len, q_start, causal):
+    layout = Layout(q_len, k_len, q_start=q_start, causal=causal)
+    distances = np.asarray(relative_distances(layout))  # what column c of the scores holds
+    rng = np.random.default_rng()
+    x = rng.normal(size=(2, 3, q_len, len(distances))).astype(np.float32)
+    shifted = np.asarray(relative_shift(jnp.asarray(x), k_len))
+    checked = 0
     for i in range(q_len):
         for j in range(k_len):
-            distance = mem + i - j
-            if distance >= 0:  # column c of x holds distance k_len - 1 - c
-                np.testing.assert_array_equal(shifted[..., i, j], x[..., i, k_len - 1 - distance])
+            distance = q_start + i - j
+            if distance >= 0 or not causal:
+                (column,) = np.flatnonzero(distances == distance)
+                np.testing.assert_array_equal(shifted[..., i, j], x[..., i, column])
+                checked += 1
+    assert checked >= q_len
 
 
 def test_relative_encoding_clamps_distances():
-    r = np.asarray(relative_encoding(10, 8, clamp_len=3))
-    direct = np.asarray(sinusoidal_encoding(jnp.asarray([min(d, 3) for d in range(9, -1, -1)]), 8))
-    np.testing.assert_allclose(r, direct, atol=1e-6)
-    assert not np.allclose(r[0], np.asarray(relative_encoding(10, 8))[0])
+    cfg = dataclasses.replace(TINY, dropout=0.0)
+    layout = Layout(4, 10, q_start=6, causal=False)
+    clamped = XLRelativePositions(dataclasses.replace(cfg, clamp_len=3), 1, rngs=nnx.Rngs(0))
+    r = np.asarray(clamped.prepare(layout))
+    distances = np.clip(np.asarray(relative_distances(layout)), -3, 3)
+    np.testing.assert_allclose(r, sinusoidal_encoding(jnp.asarray(distances), 16), atol=1e-6)
+    unclamped = XLRelativePositions(cfg, 1, rngs=nnx.Rngs(0)).prepare(layout)
+    assert not np.allclose(r[0], np.asarray(unclamped)[0])
 
 
-def _numpy_relative_attention(attn, biases, x, memory, clamp_len, mask):
-    """Score every (query, key) pair from the paper's formula with R[distance] looked up
-    directly, no shift trick."""
-    w = {k: np.asarray(getattr(attn, k).kernel[...]) for k in ("q_proj", "kv_proj", "r_proj")}
-    u, v = np.asarray(biases.u[...]), np.asarray(biases.v[...])
-    h, dh = attn.num_heads, attn.head_dim
-    context = np.concatenate([memory, x], axis=1)
-    b, lq, _ = x.shape
-    lk = context.shape[1]
-    q = (x @ w["q_proj"]).reshape(b, lq, h, dh)
-    kv = (context @ w["kv_proj"]).reshape(b, lk, 2, h, dh)
-    k, val = kv[:, :, 0], kv[:, :, 1]
-    out = np.zeros((b, lq, h, dh))
-    for bi in range(b):
-        for hi in range(h):
-            for i in range(lq):
-                scores = np.full(lk, -np.inf)
-                for j in range(lk):
-                    if not mask[min(bi, mask.shape[0] - 1), 0, i, j]:
-                        continue
-                    distance = lk - lq + i - j
-                    r = np.asarray(
-                        sinusoidal_encoding(jnp.asarray([min(distance, clamp_len or distance)]), 16)
-                    )[0]
-                    rk = (r @ w["r_proj"]).reshape(h, dh)[hi]
-                    scores[j] = (q[bi, i, hi] + u[hi]) @ k[bi, j, hi] + (q[bi, i, hi] + v[hi]) @ rk
-                p = np.exp((scores - scores.max()) / np.sqrt(dh))
-                p /= p.sum()
-                out[bi, i, hi] = p @ val[bi, :, hi]
-    return out.reshape(b, lq, h * dh) @ np.asarray(attn.out_proj.kernel[...])
-
-
-@pytest.mark.parametrize("clamp_len,same_length", [(0, False), (3, False), (0, True)])
-def test_relative_attention_matches_the_formula(clamp_len, same_length):
-    rngs = nnx.Rngs(1)
-    attn = RelativeMultiHeadAttention(16, 2, dropout=0.0, own_biases=False, rngs=rngs)
-    biases = RelativeBiases(2, 8, rngs=rngs)
-    rng = np.random.default_rng(2)
-    x = rng.normal(size=(2, 4, 16)).astype(np.float32)
-    memory = rng.normal(size=(2, 6, 16)).astype(np.float32)
-    filled = jnp.asarray([6, 2])  # row 1 has only 2 valid memory slots
-    mask = masks.memory_causal_mask(4, 6, filled, window=6 if same_length else 0)
-    r = relative_encoding(10, 16, clamp_len)
-    out = attn(jnp.asarray(x), jnp.asarray(memory), r, mask, biases)
-    expected = _numpy_relative_attention(attn, biases, x, memory, clamp_len, np.asarray(mask))
-    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-4, rtol=1e-4)
-
-
-def test_memory_causal_mask_follows_the_paper():
-    mask = np.asarray(masks.memory_causal_mask(3, 4, jnp.asarray([4, 1]), window=4))[:, 0]
+def test_memory_masks_follow_the_paper():
+    layout = Layout.with_memory(3, 4)
+    valid = masks.memory_key_valid(4, 3, jnp.asarray([4, 1]))
+    mask = np.asarray(masks.attention_mask("same_length", layout, key_valid=valid))[:, 0]
     for b, filled in enumerate([4, 1]):
         for i in range(3):
             for j in range(7):
                 distance = 4 + i - j
                 expected = 0 <= distance < 4 and j >= 4 - filled
                 assert mask[b, i, j] == expected, (b, i, j)
-    full = np.asarray(masks.memory_causal_mask(5, 8, 8, window=8))[0, 0]
+    full = np.asarray(masks.attention_mask("same_length", Layout.with_memory(5, 8)))[0, 0]
     np.testing.assert_array_equal(full.sum(-1), 8)  # same_length: every query sees mem_len keys
 
 
@@ -122,6 +87,11 @@ def _tokens(seed, shape, vocab=TINY.vocab_size):
         {},
         {"pre_norm": True, "untie_relative_biases": True},
         {"adaptive_cutoffs": (10, 20), "div_val": 2},
+        {"positional": "rope"},
+        {"positional": "t5_bias"},
+        {"positional": "alibi"},
+        {"positional": "none"},
+        {"positional": "rope", "mask": "sliding_window", "attention_window": 5},
     ],
 )
 def test_recurrence_equals_one_pass_over_the_concatenation(overrides):
@@ -178,7 +148,7 @@ def test_same_length_and_clamp_change_only_what_they_should():
     model = LanguageModel(TINY, rngs=nnx.Rngs(11))
     tokens, targets = _tokens(12, (2, 6)), _tokens(13, (2, 6))
     _, state = nnx.split(model)
-    for overrides in ({"clamp_len": 100}, {"same_length": True}):
+    for overrides in ({"clamp_len": 100}, {"mask": "same_length"}):
         # clamp beyond every distance, or a window wider than the context: no change
         variant = nnx.merge(
             nnx.split(LanguageModel(dataclasses.replace(TINY, **overrides), rngs=nnx.Rngs(0)))[0],

@@ -1,6 +1,7 @@
-"""Transformer blocks: position-wise FFN, encoder/decoder and Transformer-XL layers, pre- or
-post-LN."""
+"""Transformer blocks: position-wise FFN, residual wrapper (pre- or post-LN), self-attention
+layers (encoder, decoder-only LM, Transformer-XL) and encoder-decoder layers."""
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -8,7 +9,7 @@ from flax import nnx
 
 from xformer.attention import MultiHeadAttention
 from xformer.dropout import Dropout
-from xformer.relative_attention import RelativeBiases, RelativeMultiHeadAttention
+from xformer.positional.base import BoundPositions
 
 
 class FeedForward(nnx.Module):
@@ -37,20 +38,39 @@ class Residual(nnx.Module):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
-class EncoderBlock(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+class SelfAttentionBlock(nnx.Module):
+    """Self-attention then the FFN: an encoder layer, or a decoder-only LM layer whose keys may
+    cover a Transformer-XL memory (`attention="memory"`)."""
+
+    def __init__(self, cfg, *, attention: str = "self", use_bias: bool = True, rngs: nnx.Rngs):
         d = cfg.d_model
-        self.self_attn = MultiHeadAttention(
-            d, cfg.num_heads, dropout=cfg.attention_dropout, cross=False, rngs=rngs
+        self.attn = MultiHeadAttention(
+            d,
+            cfg.num_heads,
+            kind=attention,
+            dropout=cfg.attention_dropout,
+            use_bias=use_bias,
+            rngs=rngs,
         )
         self.ffn = FeedForward(d, cfg.d_ff, dropout=cfg.relu_dropout, rngs=rngs)
         self.attn_res, self.ffn_res = (
             Residual(d, pre_norm=cfg.pre_norm, dropout=cfg.dropout, rngs=rngs) for _ in range(2)
         )
 
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        """x [B, L, d], mask [B, 1, L, L] -> [B, L, d]."""
-        x = self.attn_res(x, lambda h: self.self_attn(h, mask))
+    def __call__(
+        self,
+        x: jax.Array,
+        mask: jax.Array,
+        positions: BoundPositions,
+        layer: int,
+        memory: jax.Array | None = None,
+    ) -> jax.Array:
+        """x [B, L, d], memory [B, Lm, d] (this layer's inputs of earlier segments, or None),
+        mask [B or 1, 1, L, Lm + L] -> [B, L, d]."""
+        if memory is not None and self.attn_res.pre_norm:  # keys see normalised memory too
+            memory = self.attn_res.norm(memory)
+        attend = functools.partial(self.attn, positions=positions, layer=layer, memory=memory)
+        x = self.attn_res(x, lambda h: attend(h, mask))
         return self.ffn_res(x, self.ffn)
 
 
@@ -58,10 +78,10 @@ class DecoderBlock(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d = cfg.d_model
         self.self_attn = MultiHeadAttention(
-            d, cfg.num_heads, dropout=cfg.attention_dropout, cross=False, rngs=rngs
+            d, cfg.num_heads, kind="self", dropout=cfg.attention_dropout, rngs=rngs
         )
         self.cross_attn = MultiHeadAttention(
-            d, cfg.num_heads, dropout=cfg.attention_dropout, cross=True, rngs=rngs
+            d, cfg.num_heads, kind="cross", dropout=cfg.attention_dropout, rngs=rngs
         )
         self.ffn = FeedForward(d, cfg.d_ff, dropout=cfg.relu_dropout, rngs=rngs)
         self.self_res, self.cross_res, self.ffn_res = (
@@ -73,56 +93,31 @@ class DecoderBlock(nnx.Module):
         x: jax.Array,
         self_mask: jax.Array,
         cross_mask: jax.Array,
+        positions: BoundPositions,
+        layer: int,
         *,
-        memory: jax.Array | None = None,
+        encoded: jax.Array | None = None,
         cross_kv: tuple[jax.Array, jax.Array] | None = None,
     ) -> jax.Array:
-        """x [B, Lt, d], memory [B, Ls, d] (or its precomputed cross_kv) -> [B, Lt, d]."""
-        x = self.self_res(x, lambda h: self.self_attn(h, self_mask))
-        x = self.cross_res(x, lambda h: self.cross_attn(h, cross_mask, memory=memory, kv=cross_kv))
+        """x [B, Lt, d], encoded [B, Ls, d] (or its precomputed cross_kv) -> [B, Lt, d]."""
+        x = self.self_res(
+            x, lambda h: self.self_attn(h, self_mask, positions=positions, layer=layer)
+        )
+        x = self.cross_res(
+            x, lambda h: self.cross_attn(h, cross_mask, encoded=encoded, kv=cross_kv)
+        )
         return self.ffn_res(x, self.ffn)
 
-    def decode_step(self, x, cache, index, self_mask, cross_mask, cross_kv):
+    def decode_step(self, x, cache, index, self_mask, cross_mask, cross_kv, positions, layer):
         """Incremental version of __call__ for x [B, 1, d]; returns (out, new self-attn cache)."""
         new_cache = {}
 
         def attend(h):
-            out, new_cache["kv"] = self.self_attn.decode_step(h, cache, index, self_mask)
+            out, new_cache["kv"] = self.self_attn.decode_step(
+                h, cache, index, self_mask, positions, layer
+            )
             return out
 
         x = self.self_res(x, attend)
         x = self.cross_res(x, lambda h: self.cross_attn(h, cross_mask, kv=cross_kv))
         return self.ffn_res(x, self.ffn), new_cache["kv"]
-
-
-class XLBlock(nnx.Module):
-    """Transformer-XL layer: relative self-attention over [memory ; segment], then the FFN."""
-
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d = cfg.d_model
-        self.attn = RelativeMultiHeadAttention(
-            d,
-            cfg.num_heads,
-            dropout=cfg.attention_dropout,
-            own_biases=cfg.untie_relative_biases,
-            rngs=rngs,
-        )
-        self.ffn = FeedForward(d, cfg.d_ff, dropout=cfg.relu_dropout, rngs=rngs)
-        self.attn_res, self.ffn_res = (
-            Residual(d, pre_norm=cfg.pre_norm, dropout=cfg.dropout, rngs=rngs) for _ in range(2)
-        )
-
-    def __call__(
-        self,
-        x: jax.Array,
-        memory: jax.Array | None,
-        r: jax.Array,
-        mask: jax.Array,
-        biases: RelativeBiases | None,
-    ) -> jax.Array:
-        """x [B, Lq, d], memory [B, Lm, d] (this layer's input states of earlier segments),
-        r [Lm + Lq, d], mask [B or 1, 1, Lq, Lm + Lq] -> [B, Lq, d]."""
-        if memory is not None and self.attn_res.pre_norm:  # keys see normalised memory too
-            memory = self.attn_res.norm(memory)
-        x = self.attn_res(x, lambda h: self.attn(h, memory, r, mask, biases))
-        return self.ffn_res(x, self.ffn)

@@ -6,9 +6,11 @@ that are not in the schema and options that cannot work together, naming the key
 
 import ml_collections
 
+from xformer.positional import SCHEMES
+
 ALLOWED = {
     "model.family": ("encoder_decoder", "decoder_only"),
-    "model.positional": ("sinusoidal", "learned", "relative"),
+    "model.positional": tuple(SCHEMES),
     "model.layer_norm": ("post", "pre"),
     "data.vocab": ("joint", "separate"),
     "train.schedule": ("rsqrt", "cosine", "constant"),
@@ -28,16 +30,23 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dropout = 0.1  # embeddings and residual branches
     c.model.attention_dropout = 0.0
     c.model.relu_dropout = 0.0
-    c.model.positional = "sinusoidal"  # absolute; "relative": Transformer-XL (decoder_only)
+    # none | sinusoidal | learned | relative (Transformer-XL) | rope | t5_bias | alibi
+    c.model.positional = "sinusoidal"  # in every self-attention stack
     c.model.max_len = 256  # learned position table size
+    c.model.rope_base = 10000.0
+    c.model.relative_buckets = 32  # t5_bias: buckets per direction pair, log-spaced beyond
+    c.model.relative_max_distance = 128  # half of them, up to this distance
+    c.model.encoder_mask = "bidirectional"  # or sliding_window
+    c.model.decoder_mask = "causal"  # or sliding_window; decoder-only: prefix_lm, same_length
+    c.model.attention_window = 0  # sliding_window: keys fewer than this many positions away
+    c.model.prefix_length = 0  # prefix_lm: the first positions of a segment see each other
     c.model.layer_norm = "post"  # "post": the paper; "pre": LayerNorm inside the residual
     c.model.share_embeddings = True  # source/target share one table (needs data.vocab="joint")
     c.model.tie_output = True  # output projection = target embedding transposed
-    # Transformer-XL (decoder_only with positional="relative")
+    # Transformer-XL: recurrence (decoder_only, any scheme that is not absolute)
     c.model.mem_len = 0  # cached states per layer during training (0 = no recurrence)
-    c.model.clamp_len = 0  # relative distances beyond this share one encoding (0 = off)
-    c.model.same_length = False  # every query attends to exactly mem_len keys
-    c.model.untie_relative_biases = False  # u, v per layer (TF scripts) or shared (PyTorch)
+    c.model.clamp_len = 0  # relative: distances beyond this share one encoding (0 = off)
+    c.model.untie_relative_biases = False  # relative: u, v per layer (TF) or shared (PyTorch)
     # Adaptive input and softmax (decoder_only): vocab ids are sorted by frequency
     c.model.d_embed = 0  # embedding size of the head cluster (0 = d_model)
     c.model.adaptive_cutoffs = ()  # e.g. (20000, 40000, 200000); () = plain softmax
@@ -92,7 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.segment_length = 0  # tokens scored per row per step (0 = data.segment_length)
     c.eval.mem_len = -1  # the paper evaluates with a much longer memory
     c.eval.clamp_len = -1
-    c.eval.same_length = False
+    c.eval.decoder_mask = ""  # "" = as trained; e.g. same_length with a longer memory
     c.eval.sliding_stride = 0  # > 0: memoryless sliding windows of segment_length tokens that
     # score their last sliding_stride tokens (1 = one forward pass per token, Al-Rfou et al.)
     return c
@@ -117,6 +126,31 @@ def lm_base_config(dataset: str) -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 1000
     c.eval.batch_size = 10
     return c
+
+
+def override(config: ml_collections.ConfigDict, values: dict) -> ml_collections.ConfigDict:
+    """Set dotted keys ({"model.positional": "rope"}), refusing keys the config lacks."""
+    for key, value in values.items():
+        section, _, name = key.rpartition(".")
+        node = config
+        for part in section.split(".") if section else []:
+            node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+        if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+            raise ValueError(f"unknown config key {key!r}")
+        node[name] = value
+    return config
+
+
+def with_variant(
+    config: ml_collections.ConfigDict, variant: str, variants: dict[str, dict]
+) -> ml_collections.ConfigDict:
+    """Apply the named variants of a config file, joined by "," ("" = the base config):
+    `--config=configs/ptb_xl.py:vanilla` calls get_config("vanilla")."""
+    for name in filter(None, variant.split(",")):
+        if name not in variants:
+            raise ValueError(f"unknown config variant {name!r}; known: {sorted(variants)}")
+        override(config, variants[name])
+    return config
 
 
 def _flatten(c: ml_collections.ConfigDict, prefix: str = "") -> dict:
@@ -153,16 +187,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
             raise ValueError(f"config key {key!r} is {given[key]!r}; allowed values: {allowed}")
 
     m, d, t = config.model, config.data, config.train
-    if m.family == "decoder_only":
-        _validate_language_model(config)
-    elif m.positional == "relative":
-        raise ValueError("model.positional='relative' needs model.family='decoder_only'")
     if m.d_model % m.num_heads:
         raise ValueError(
             f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}"
         )
-    if m.positional == "sinusoidal" and m.d_model % 2:
-        raise ValueError(f"model.positional='sinusoidal' needs an even d_model, got {m.d_model}")
+    _validate_positions_and_masks(m)
+    if m.family == "decoder_only":
+        _validate_language_model(config)
     if m.share_embeddings and d.vocab != "joint" and m.family == "encoder_decoder":
         raise ValueError("model.share_embeddings=True needs data.vocab='joint'")
     if m.positional == "learned" and d.max_train_length > m.max_len:
@@ -187,24 +218,98 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"eval.beam_size must be >= 1, got {config.eval.beam_size}")
 
 
+MASKS_BY_STACK = {  # which masking schemes each stack may use
+    ("encoder_decoder", "encoder_mask"): ("bidirectional", "sliding_window"),
+    ("encoder_decoder", "decoder_mask"): ("causal", "sliding_window"),
+    ("decoder_only", "decoder_mask"): ("causal", "sliding_window", "prefix_lm", "same_length"),
+}
+
+
+def _validate_positions_and_masks(m: ml_collections.ConfigDict) -> None:
+    for (family, key), allowed in MASKS_BY_STACK.items():
+        if m.family == family and m[key] not in allowed:
+            raise ValueError(
+                f"model.{key}={m[key]!r} cannot be used by a {family} model; allowed values: "
+                f"{allowed}"
+            )
+    if m.family == "decoder_only" and m.encoder_mask != "bidirectional":
+        raise ValueError("model.encoder_mask is for encoder_decoder models (decoder_only has none)")
+    masks = (m.encoder_mask, m.decoder_mask) if m.family == "encoder_decoder" else (m.decoder_mask,)
+    windowed = "sliding_window" in masks
+    if windowed != (m.attention_window > 0):
+        raise ValueError(
+            f"model.attention_window={m.attention_window} must be > 0 exactly when a mask is "
+            f"'sliding_window' (masks: {masks})"
+        )
+    if (m.decoder_mask == "prefix_lm") != (m.prefix_length > 0) or m.prefix_length < 0:
+        raise ValueError(
+            f"model.prefix_length={m.prefix_length} must be > 0 exactly when "
+            f"model.decoder_mask='prefix_lm' (it is {m.decoder_mask!r})"
+        )
+    head_dim = m.d_model // m.num_heads
+    if m.positional == "rope" and (head_dim % 2 or m.rope_base <= 1):
+        raise ValueError(
+            f"model.positional='rope' needs an even head size (d_model / num_heads = {head_dim})"
+            f" and model.rope_base > 1 (got {m.rope_base})"
+        )
+    if m.positional in ("sinusoidal", "relative") and m.d_model % 2:
+        raise ValueError(
+            f"model.positional={m.positional!r} needs an even d_model, got {m.d_model}"
+        )
+    if m.positional == "t5_bias" and (
+        m.relative_buckets < 4 or m.relative_max_distance <= m.relative_buckets // 2
+    ):
+        raise ValueError(
+            "model.positional='t5_bias' needs model.relative_buckets >= 4 and "
+            "model.relative_max_distance > relative_buckets / 2; got "
+            f"{m.relative_buckets}, {m.relative_max_distance}"
+        )
+    if m.positional != "relative" and (m.clamp_len or m.untie_relative_biases):
+        raise ValueError(
+            "model.clamp_len and model.untie_relative_biases are for model.positional="
+            f"'relative' (Transformer-XL), not {m.positional!r}"
+        )
+
+
 def _validate_language_model(config: ml_collections.ConfigDict) -> None:
     m, d, e = config.model, config.data, config.eval
     for key in ("mem_len", "clamp_len", "d_embed"):
         if m[key] < 0:
             raise ValueError(f"model.{key} must be >= 0, got {m[key]}")
-    if m.positional != "relative":
-        if m.mem_len or e.mem_len > 0:
+    eval_mem_len = m.mem_len if e.mem_len < 0 else e.mem_len
+    absolute = SCHEMES[m.positional].absolute
+    if absolute and (m.mem_len or eval_mem_len):
+        raise ValueError(
+            f"a memory (model.mem_len={m.mem_len}, eval.mem_len={e.mem_len}) cannot be used "
+            f"with model.positional={m.positional!r}: it adds absolute positions to the "
+            "embeddings, which repeat across segments; use a relative scheme "
+            "(relative, rope, t5_bias, alibi) or none"
+        )
+    if m.positional == "learned" and max(d.segment_length, e.segment_length) > m.max_len:
+        raise ValueError("segment lengths exceed the learned position table model.max_len")
+    if e.sliding_stride and eval_mem_len:
+        raise ValueError("eval.sliding_stride needs a memoryless evaluation (eval.mem_len=0)")
+    eval_mask = e.decoder_mask or m.decoder_mask
+    if eval_mask not in MASKS_BY_STACK[("decoder_only", "decoder_mask")]:
+        raise ValueError(f"eval.decoder_mask={e.decoder_mask!r} is not a decoder-only mask")
+    if (eval_mask == "prefix_lm") != (m.decoder_mask == "prefix_lm"):
+        raise ValueError("eval.decoder_mask can switch prefix_lm neither on nor off")
+    if m.decoder_mask == "same_length" and not m.mem_len:
+        raise ValueError("model.decoder_mask='same_length' needs model.mem_len > 0")
+    if eval_mask == "same_length" and not eval_mem_len:
+        raise ValueError("decoder_mask 'same_length' needs an evaluation memory (eval.mem_len)")
+    if m.decoder_mask == "prefix_lm":
+        if m.mem_len or eval_mem_len:
+            raise ValueError("model.decoder_mask='prefix_lm' cannot be used with a memory")
+        eval_length = e.segment_length or d.segment_length
+        if m.prefix_length >= min(d.segment_length, eval_length):
+            raise ValueError("model.prefix_length must be shorter than the segment lengths")
+        if e.sliding_stride > eval_length - m.prefix_length + 1:
             raise ValueError(
-                f"a memory (model.mem_len={m.mem_len}, eval.mem_len={e.mem_len}) needs "
-                f"model.positional='relative'; absolute positions ({m.positional!r}) repeat "
-                "across segments"
+                f"eval.sliding_stride={e.sliding_stride}: prefix_lm windows can score at most "
+                f"segment length - prefix_length + 1 = {eval_length - m.prefix_length + 1} "
+                "tokens (the others are visible inside the prefix)"
             )
-        if m.positional == "learned" and max(d.segment_length, e.segment_length) > m.max_len:
-            raise ValueError("segment lengths exceed the learned position table model.max_len")
-    elif e.sliding_stride:
-        raise ValueError("eval.sliding_stride is for memoryless (absolute-position) models")
-    if m.same_length and not m.mem_len:
-        raise ValueError("model.same_length=True needs model.mem_len > 0")
     cutoffs = list(m.adaptive_cutoffs)
     if cutoffs != sorted(set(cutoffs)) or any(c <= 0 for c in cutoffs):
         raise ValueError(f"model.adaptive_cutoffs must be increasing and positive, got {cutoffs}")

@@ -1,10 +1,12 @@
-"""Decoder-only language models: Transformer-XL (Dai et al., 2019) and its vanilla baseline.
+"""Decoder-only language models: Transformer-XL (Dai et al., 2019) and the vanilla baseline.
 
-`positional="relative"` gives Transformer-XL: relative attention over [memory ; segment], where
-the memory of each layer holds that layer's input states from earlier segments (no gradient).
-`positional="sinusoidal"` or `"learned"` gives the vanilla causal Transformer LM with absolute
-positions and no memory, the baseline of the paper. Both use adaptive input embeddings and an
-adaptive softmax (a plain embedding and softmax when there are no cutoffs).
+One model, two axes chosen by config. `positional` is any scheme of positional.SCHEMES
+("relative" is Transformer-XL's). A memory (mem_len > 0) makes every layer attend over
+[memory ; segment], the memory holding that layer's input states from earlier segments (no
+gradient); it needs a scheme that does not add absolute positions to the embeddings. With
+absolute positions and no memory this is the vanilla causal Transformer LM the paper compares
+against. Inputs go through adaptive embeddings and an adaptive softmax (a plain embedding and
+softmax when there are no cutoffs).
 """
 
 import dataclasses
@@ -15,10 +17,11 @@ from flax import nnx
 
 from xformer import masks
 from xformer.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from xformer.blocks import EncoderBlock, XLBlock
+from xformer.blocks import SelfAttentionBlock
 from xformer.dropout import Dropout
-from xformer.positional import POSITIONAL_SCHEMES, check_length
-from xformer.relative_attention import RelativeBiases, relative_encoding
+from xformer.layout import Layout
+from xformer.positional import SCHEMES
+from xformer.positional.base import BoundPositions
 
 Memory = dict  # {"states": [num_layers, B, M, d], "filled": [B] int32 valid trailing slots}
 
@@ -33,12 +36,17 @@ class LMConfig:
     dropout: float = 0.1  # embeddings, residual branches, R, and the final hidden state
     attention_dropout: float = 0.0
     relu_dropout: float = 0.1
-    positional: str = "relative"  # "relative" (XL) or an absolute scheme (vanilla, no memory)
+    positional: str = "relative"  # a key of positional.SCHEMES
     max_len: int = 512  # learned absolute position table size
     pre_norm: bool = False
-    clamp_len: int = 0  # relative distances beyond this share one encoding (0 = no clamping)
-    same_length: bool = False  # every query attends to exactly mem_len keys
+    mask: str = "causal"  # a key of masks.MASK_SCHEMES
+    attention_window: int = 0  # sliding_window width
+    prefix_length: int = 0  # prefix_lm: positions that see each other
+    clamp_len: int = 0  # XL relative distances beyond this share one encoding (0 = no clamp)
     untie_relative_biases: bool = False  # u, v per layer (TF scripts) or shared (PyTorch)
+    rope_base: float = 10000.0
+    relative_buckets: int = 32  # T5 bias
+    relative_max_distance: int = 128
     d_embed: int = 0  # embedding size of the head cluster (0 = d_model)
     adaptive_cutoffs: tuple[int, ...] = ()
     div_val: int = 1
@@ -46,8 +54,9 @@ class LMConfig:
     tie_projs: tuple[bool, ...] = ()  # per cluster: softmax projection = embedding projection
 
     @property
-    def relative(self) -> bool:
-        return self.positional == "relative"
+    def absolute(self) -> bool:
+        """Positions are added to the embeddings (no memory possible)."""
+        return SCHEMES[self.positional].absolute
 
 
 class LanguageModel(nnx.Module):
@@ -58,17 +67,17 @@ class LanguageModel(nnx.Module):
         d, d_embed = cfg.d_model, cfg.d_embed or cfg.d_model
         adaptive = (cfg.vocab_size, d_embed, d, cfg.adaptive_cutoffs, cfg.div_val)
         # Absolute positions are added to the embeddings at unit scale, so the embeddings
-        # start at unit scale too (Vaswani et al.); XL keeps its N(0, 0.02) tables.
-        init_std = 0.02 if cfg.relative else d_embed**-0.5
+        # start at unit scale too (Vaswani et al.); otherwise N(0, 0.02) tables as in XL.
+        init_std = d_embed**-0.5 if cfg.absolute else 0.02
         self.embed = AdaptiveEmbedding(*adaptive, rngs=rngs, init_std=init_std)
         self.dropout = Dropout(cfg.dropout, rngs=rngs)
-        if cfg.relative:
-            heads = cfg.num_heads, d // cfg.num_heads
-            self.biases = None if cfg.untie_relative_biases else RelativeBiases(*heads, rngs=rngs)
-            self.layers = nnx.List([XLBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        else:
-            self.positions = POSITIONAL_SCHEMES[cfg.positional](d, cfg.max_len, rngs=rngs)
-            self.layers = nnx.List([EncoderBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.positions = SCHEMES[cfg.positional](cfg, cfg.num_layers, rngs=rngs)
+        self.layers = nnx.List(
+            [
+                SelfAttentionBlock(cfg, attention="memory", use_bias=False, rngs=rngs)
+                for _ in range(cfg.num_layers)
+            ]
+        )
         self.final_norm = nnx.LayerNorm(d, epsilon=1e-6, rngs=rngs) if cfg.pre_norm else None
         self.softmax = AdaptiveLogSoftmax(
             *adaptive,
@@ -81,8 +90,11 @@ class LanguageModel(nnx.Module):
         """An empty memory of mem_len slots per layer (None when mem_len is 0)."""
         if not mem_len:
             return None
-        if not self.cfg.relative:
-            raise ValueError("only the relative (Transformer-XL) model can use a memory")
+        if self.cfg.absolute:
+            raise ValueError(
+                f"positional={self.cfg.positional!r} adds absolute positions to the "
+                "embeddings, so states cannot be reused as a memory"
+            )
         shape = (self.cfg.num_layers, batch_size, mem_len, self.cfg.d_model)
         return {"states": jnp.zeros(shape), "filled": jnp.zeros((batch_size,), jnp.int32)}
 
@@ -96,47 +108,45 @@ class LanguageModel(nnx.Module):
     ) -> tuple[jax.Array, Memory | None]:
         """tokens [B, L] -> (final hidden states [B, L, d], updated memory).
 
-        positions [B, L] (absolute models; default 0..L-1) and key_valid [B, L] (False marks
-        left padding that no query may attend to) serve sliding-window evaluation.
+        positions [B, L] feed absolute schemes (default 0..L-1); key_valid [B, L] (False marks
+        left padding no query may attend to) serves sliding-window evaluation.
         """
+        cfg, q_len = self.cfg, tokens.shape[1]
+        mem_len = 0 if memory is None else memory["states"].shape[2]
         x = self.embed(tokens)
-        if self.cfg.relative:
-            x, memory = self._relative_layers(self.dropout(x), memory)
-        else:
+        if cfg.absolute:
             if memory is not None:
                 raise ValueError("absolute-position models have no memory")
             if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-            check_length(self.positions, tokens.shape[1])
-            x = self.dropout(x + self.positions(positions))
-            mask = masks.causal_mask(positions, positions)
-            if key_valid is not None:
-                mask &= key_valid[:, None, None, :]
-            for layer in self.layers:
-                x = layer(x, mask)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return self.dropout(x), memory
-
-    def _relative_layers(self, x, memory):
-        cfg, q_len = self.cfg, x.shape[1]
-        mem_len = 0 if memory is None else memory["states"].shape[2]
-        filled = 0 if memory is None else memory["filled"]
-        mask = masks.memory_causal_mask(
-            q_len, mem_len, filled, window=mem_len if cfg.same_length else 0
+                positions = jnp.broadcast_to(jnp.arange(q_len), tokens.shape)
+            self.positions.check_length(q_len)
+            x = x + self.positions.embed(positions)
+        x = self.dropout(x)
+        layout = Layout.with_memory(q_len, mem_len)
+        if memory is not None:
+            filled_keys = masks.memory_key_valid(mem_len, q_len, memory["filled"])
+            key_valid = filled_keys if key_valid is None else key_valid & filled_keys
+        mask = masks.attention_mask(
+            cfg.mask,
+            layout,
+            window=cfg.attention_window,
+            prefix_length=cfg.prefix_length,
+            key_valid=key_valid,
         )
-        r = self.dropout(relative_encoding(mem_len + q_len, cfg.d_model, cfg.clamp_len))
+        bound = BoundPositions.bind(self.positions, layout)
         inputs = []
         for i, layer in enumerate(self.layers):
             inputs.append(x)
-            x = layer(x, None if memory is None else memory["states"][i], r, mask, self.biases)
+            x = layer(x, mask, bound, i, None if memory is None else memory["states"][i])
         if memory is not None:
             states = jnp.concatenate([memory["states"], jnp.stack(inputs)], axis=2)[:, :, -mem_len:]
             memory = {
                 "states": jax.lax.stop_gradient(states),
-                "filled": jnp.minimum(filled + q_len, mem_len),
+                "filled": jnp.minimum(memory["filled"] + q_len, mem_len),
             }
-        return x, memory
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.dropout(x), memory
 
     def __call__(
         self, tokens: jax.Array, targets: jax.Array, memory: Memory | None = None, **kwargs

@@ -8,9 +8,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xformer import masks
-from xformer.blocks import DecoderBlock, EncoderBlock
+from xformer.attention import decode_layout
+from xformer.blocks import DecoderBlock, SelfAttentionBlock
 from xformer.dropout import Dropout
-from xformer.positional import POSITIONAL_SCHEMES, check_length
+from xformer.layout import Layout
+from xformer.positional import SCHEMES
+from xformer.positional.base import BoundPositions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +28,16 @@ class TransformerConfig:
     dropout: float = 0.1  # on embeddings and residual branches
     attention_dropout: float = 0.0
     relu_dropout: float = 0.0
-    positional: str = "sinusoidal"
+    positional: str = "sinusoidal"  # a key of positional.SCHEMES, used by both stacks
     max_len: int = 256  # size of learned position tables
+    rope_base: float = 10000.0
+    relative_buckets: int = 32  # T5 bias
+    relative_max_distance: int = 128
+    clamp_len: int = 0  # Transformer-XL relative positions
+    untie_relative_biases: bool = False
+    encoder_mask: str = "bidirectional"  # or "sliding_window"
+    decoder_mask: str = "causal"  # or "sliding_window"
+    attention_window: int = 0  # width of sliding_window masks
     pre_norm: bool = False  # False: post-LN as in the paper
     share_embeddings: bool = True  # one table for source and target tokens
     tie_output: bool = True  # output projection = target embedding^T
@@ -47,12 +58,12 @@ class EncoderDecoder(nnx.Module):
             if cfg.share_embeddings
             else nnx.Embed(cfg.tgt_vocab_size, d, embedding_init=init, rngs=rngs)
         )
-        scheme = POSITIONAL_SCHEMES[cfg.positional]
-        self.src_positions = scheme(d, cfg.max_len, rngs=rngs)
-        self.tgt_positions = scheme(d, cfg.max_len, rngs=rngs)
+        scheme = SCHEMES[cfg.positional]
+        self.src_positions = scheme(cfg, cfg.num_encoder_layers, rngs=rngs)
+        self.tgt_positions = scheme(cfg, cfg.num_decoder_layers, rngs=rngs)
         self.embed_dropout = Dropout(cfg.dropout, rngs=rngs)
         self.encoder = nnx.List(
-            [EncoderBlock(cfg, rngs=rngs) for _ in range(cfg.num_encoder_layers)]
+            [SelfAttentionBlock(cfg, rngs=rngs) for _ in range(cfg.num_encoder_layers)]
         )
         self.decoder = nnx.List(
             [DecoderBlock(cfg, rngs=rngs) for _ in range(cfg.num_decoder_layers)]
@@ -65,9 +76,19 @@ class EncoderDecoder(nnx.Module):
         )
 
     def _embed(self, table, scheme, tokens, positions):
-        check_length(scheme, tokens.shape[1])
-        x = table(tokens) * math.sqrt(self.cfg.d_model) + scheme(positions)
-        return self.embed_dropout(x)
+        scheme.check_length(tokens.shape[1])
+        x = table(tokens) * math.sqrt(self.cfg.d_model)
+        encoding = scheme.embed(positions)
+        return self.embed_dropout(x if encoding is None else x + encoding)
+
+    def _self_mask(self, kind: str, layout: Layout, segments: jax.Array) -> jax.Array:
+        return masks.attention_mask(
+            kind,
+            layout,
+            window=self.cfg.attention_window,
+            q_segments=segments,
+            k_segments=segments,
+        )
 
     def _logits(self, x: jax.Array) -> jax.Array:
         if self.decoder_norm is not None:
@@ -77,11 +98,13 @@ class EncoderDecoder(nnx.Module):
     def encode(
         self, src: jax.Array, src_segments: jax.Array, src_positions: jax.Array
     ) -> jax.Array:
-        """src, src_segments, src_positions [B, Ls] -> memory [B, Ls, d]."""
+        """src, src_segments, src_positions [B, Ls] -> encoded states [B, Ls, d]."""
         x = self._embed(self.src_embed, self.src_positions, src, src_positions)
-        mask = masks.packed_mask(src_segments, src_segments)
-        for layer in self.encoder:
-            x = layer(x, mask)
+        layout = Layout(src.shape[1], src.shape[1], causal=False)
+        mask = self._self_mask(self.cfg.encoder_mask, layout, src_segments)
+        positions = BoundPositions.bind(self.src_positions, layout)
+        for i, layer in enumerate(self.encoder):
+            x = layer(x, mask, positions, i)
         return x if self.encoder_norm is None else self.encoder_norm(x)
 
     def __call__(
@@ -106,18 +129,14 @@ class EncoderDecoder(nnx.Module):
             src_positions = masks.positions_from_segments(src_segments)
         if tgt_positions is None:
             tgt_positions = masks.positions_from_segments(tgt_segments)
-        memory = self.encode(src, src_segments, src_positions)
+        encoded = self.encode(src, src_segments, src_positions)
         x = self._embed(self.tgt_embed, self.tgt_positions, tgt_in, tgt_positions)
-        self_mask = masks.packed_mask(
-            tgt_segments,
-            tgt_segments,
-            causal=True,
-            q_positions=tgt_positions,
-            k_positions=tgt_positions,
-        )
-        cross_mask = masks.packed_mask(tgt_segments, src_segments)
-        for layer in self.decoder:
-            x = layer(x, self_mask, cross_mask, memory=memory)
+        layout = Layout(tgt_in.shape[1], tgt_in.shape[1])
+        self_mask = self._self_mask(self.cfg.decoder_mask, layout, tgt_segments)
+        cross_mask = masks.segment_mask(tgt_segments, src_segments)
+        positions = BoundPositions.bind(self.tgt_positions, layout)
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, self_mask, cross_mask, positions, i, encoded=encoded)
         return self._logits(x)
 
     # Incremental decoding ---------------------------------------------------------------------
@@ -129,14 +148,14 @@ class EncoderDecoder(nnx.Module):
         "self": per layer {"k", "v"} [B, max_len, H, D]; "cross": per layer (k, v) [B, Ls, H, D];
         "src_valid" [B, Ls].
         """
-        check_length(self.tgt_positions, max_len)
+        self.tgt_positions.check_length(max_len)
         segments = masks.segments_from_tokens(src)
-        memory = self.encode(src, segments, masks.positions_from_segments(segments))
+        encoded = self.encode(src, segments, masks.positions_from_segments(segments))
         b, heads = src.shape[0], self.cfg.num_heads
-        zeros = jnp.zeros((b, max_len, heads, self.cfg.d_model // heads), memory.dtype)
+        zeros = jnp.zeros((b, max_len, heads, self.cfg.d_model // heads), encoded.dtype)
         return {
             "self": [{"k": zeros, "v": zeros} for _ in self.decoder],
-            "cross": [layer.cross_attn.project_kv(memory) for layer in self.decoder],
+            "cross": [layer.cross_attn.project_kv(encoded) for layer in self.decoder],
             "src_valid": segments > 0,
         }
 
@@ -148,11 +167,17 @@ class EncoderDecoder(nnx.Module):
         max_len = cache["self"][0]["k"].shape[1]
         positions = jnp.full((b, 1), index, jnp.int32)
         x = self._embed(self.tgt_embed, self.tgt_positions, tokens[:, None], positions)
-        self_mask = jnp.broadcast_to(jnp.arange(max_len) <= index, (b, 1, 1, max_len))
+        layout = decode_layout(index, max_len)
+        self_mask = masks.attention_mask(
+            self.cfg.decoder_mask, layout, window=self.cfg.attention_window
+        )
         cross_mask = cache["src_valid"][:, None, None, :]
+        bound = BoundPositions.bind(self.tgt_positions, layout)
         new_self = []
-        for layer, kv, cross_kv in zip(self.decoder, cache["self"], cache["cross"], strict=True):
-            x, kv = layer.decode_step(x, kv, index, self_mask, cross_mask, cross_kv)
+        for i, (layer, kv) in enumerate(zip(self.decoder, cache["self"], strict=True)):
+            x, kv = layer.decode_step(
+                x, kv, index, self_mask, cross_mask, cache["cross"][i], bound, i
+            )
             new_self.append(kv)
         logits = self._logits(x)[:, 0].astype(jnp.float32)
         return jax.nn.log_softmax(logits), {**cache, "self": new_self}

@@ -1,6 +1,9 @@
 """The training loop: jit-compiled data-parallel steps, metrics, evaluation, checkpoints."""
 
 import functools
+import hashlib
+import json
+import os
 import time
 
 import jax
@@ -15,6 +18,9 @@ from xformer import experiment as experiment_lib
 from xformer.metric_writer import MetricWriter
 from xformer.optim import learning_rate_schedule
 from xformer.tasks import make_task
+
+RUN_INFO_FILE = "run_info.json"  # written at the start of every train.py run
+DONE_FILE = "done.json"  # written when training reached num_steps or max_train_seconds
 
 
 def train_step(task, state: dict, rest: nnx.State, batch: dict) -> tuple[dict, dict]:
@@ -42,6 +48,22 @@ def train_step(task, state: dict, rest: nnx.State, batch: dict) -> tuple[dict, d
     return new_state, metrics
 
 
+def count_params(params) -> int:
+    """Number of parameters: the summed sizes of the leaves of `params`."""
+    return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+
+
+def config_hash(config: ml_collections.ConfigDict) -> str:
+    return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _write_json(path: str, obj: dict) -> None:
+    """Atomically (write, then rename): readers such as the sweep runner never see half a file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2, default=float)
+    os.replace(path + ".tmp", path)
+
+
 def _format_eta(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
@@ -63,6 +85,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         logging.info("resumed from step %d", int(state["step"]))
     step = int(state["step"])
     rest = jax.device_put(exp.rest, exp.replicated)
+    done_path = os.path.join(workdir, DONE_FILE)
+    if jax.process_index() == 0:
+        info = {
+            "num_params": count_params(state["params"]),
+            "devices": jax.device_count(),
+            "processes": jax.process_count(),
+            "platform": jax.devices()[0].platform,
+            "config_hash": config_hash(config),
+            "start_step": step,
+            "start_time": time.time(),
+        }
+        _write_json(os.path.join(workdir, RUN_INFO_FILE), info)
+        if step < t.num_steps and os.path.exists(done_path):
+            os.remove(done_path)  # training further: the old marker is stale
 
     def global_batch(batch):
         return jax.make_array_from_process_local_data(exp.batch_sharding, batch)
@@ -76,7 +112,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     start_time, start_step = time.time(), step
     interval_start, pending = time.time(), []
-    batch, last_metrics = first, {}
+    batch, last_metrics, out_of_time = first, {}, False
     while step < t.num_steps:
         state, metrics = compiled(state, rest, batch)
         pending.append(metrics)
@@ -148,4 +184,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             break
     exp.checkpointer.wait()
     writer.close()
+    ran = step > start_step or not os.path.exists(done_path)  # keep the marker of a finished run
+    if jax.process_index() == 0 and (step >= t.num_steps or out_of_time) and ran:
+        reason = "num_steps" if step >= t.num_steps else "max_train_seconds"
+        _write_json(done_path, {"step": step, "reason": reason, "metrics": last_metrics})
     return {"step": step, **last_metrics}

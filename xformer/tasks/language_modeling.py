@@ -41,9 +41,14 @@ def lm_config(config: ml_collections.ConfigDict, vocab_size: int) -> LMConfig:
         positional=m.positional,
         max_len=m.max_len,
         pre_norm=m.layer_norm == "pre",
+        mask=m.decoder_mask,
+        attention_window=m.attention_window,
+        prefix_length=m.prefix_length,
         clamp_len=m.clamp_len,
-        same_length=m.same_length,
         untie_relative_biases=m.untie_relative_biases,
+        rope_base=m.rope_base,
+        relative_buckets=m.relative_buckets,
+        relative_max_distance=m.relative_max_distance,
         d_embed=m.d_embed,
         adaptive_cutoffs=tuple(m.adaptive_cutoffs),
         div_val=m.div_val,
@@ -54,25 +59,31 @@ def lm_config(config: ml_collections.ConfigDict, vocab_size: int) -> LMConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
-    """How a split is scored: rows, tokens per step, memory and position settings."""
+    """How a split is scored: rows, tokens per step, memory, mask and position settings.
+
+    prefix_lm models are scored with sliding windows whose prefix is context only."""
 
     batch_size: int
     segment_length: int
     mem_len: int
     clamp_len: int
-    same_length: bool
+    mask: str = "causal"
     sliding_stride: int = 0
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> "EvalSettings":
         m, e = config.model, config.eval
+        length = e.segment_length or config.data.segment_length
+        stride = e.sliding_stride
+        if m.decoder_mask == "prefix_lm" and not stride:
+            stride = length - m.prefix_length + 1
         return cls(
             batch_size=e.batch_size,
-            segment_length=e.segment_length or config.data.segment_length,
+            segment_length=length,
             mem_len=m.mem_len if e.mem_len < 0 else e.mem_len,
             clamp_len=m.clamp_len if e.clamp_len < 0 else e.clamp_len,
-            same_length=e.same_length,
-            sliding_stride=e.sliding_stride,
+            mask=e.decoder_mask or m.decoder_mask,
+            sliding_stride=stride,
         )
 
 
@@ -161,8 +172,10 @@ class LanguageModelingTask:
         memory = reset_memory(carry or None, batch["reset"])
         nll, memory = model(batch["inputs"], batch["targets"], memory)
         weights = batch["weights"]
+        if model.cfg.mask == "prefix_lm":  # targets inside the prefix are visible to it
+            weights = weights.at[:, : model.cfg.prefix_length - 1].set(0)
         nll_sum, tokens = (nll * weights).sum(), weights.sum()
-        sums = {"nll_sum": nll_sum, "tokens": tokens, "input_tokens": tokens}
+        sums = {"nll_sum": nll_sum, "tokens": tokens, "input_tokens": batch["weights"].sum()}
         return nll_sum, sums, memory or {}
 
     # Evaluation -------------------------------------------------------------------------------
@@ -187,9 +200,7 @@ class LanguageModelingTask:
         """NLL of every token of `split` exactly once; perplexity and bits per token."""
         s = settings or EvalSettings.from_config(self.config)
         stream = self.stream(split)
-        model_cfg = dataclasses.replace(
-            self.exp.model_cfg, clamp_len=s.clamp_len, same_length=s.same_length
-        )
+        model_cfg = dataclasses.replace(self.exp.model_cfg, clamp_len=s.clamp_len, mask=s.mask)
         if s.sliding_stride:
             batches = sliding_windows(
                 stream, s.batch_size, s.segment_length, s.sliding_stride, self.boundary_id

@@ -1,0 +1,141 @@
+"""Run comparison on hand-written workdirs: best validation per metric direction (BLEU up,
+perplexity down), training time across a resume, differing config columns, workdir expansion
+(globs, commas inside sweep point names) and refusal to mix families or metrics."""
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from xformer import compare
+from xformer.config import base_config, lm_base_config
+
+
+def make_run(directory: Path, config, rows, test=None, num_params=None, done_step=None) -> str:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(config.to_json())
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if test is not None:
+        (directory / f"eval_{config.data.test_split}.json").write_text(json.dumps(test))
+    if num_params is not None:
+        (directory / "run_info.json").write_text(json.dumps({"num_params": num_params}))
+    if done_step is not None:
+        done = {"step": done_step, "reason": "num_steps", "metrics": {}}
+        (directory / "done.json").write_text(json.dumps(done))
+    return str(directory)
+
+
+def train_row(step, steps_per_s, tokens_per_s=100.0):
+    return {"step": step, "train/steps_per_s": steps_per_s, "train/tokens_per_s": tokens_per_s}
+
+
+def translation_config(**train):
+    c = base_config()
+    c.train.log_every = 50
+    c.train.update(train)
+    return c
+
+
+def test_translation_best_bleu_is_the_highest(tmp_path):
+    rows_a = [train_row(50, 10.0), train_row(100, 10.0)]
+    rows_a += [{"step": 100, "val/bleu": 10.0, "val/lc_tok_bleu": 12.0}]
+    rows_a += [train_row(150, 10.0), {"step": 150, "val/bleu": 30.0, "val/lc_tok_bleu": 29.0}]
+    rows_a += [train_row(200, 10.0), {"step": 200, "val/bleu": 20.0, "val/lc_tok_bleu": 33.0}]
+    a = make_run(
+        tmp_path / "a",
+        translation_config(),
+        rows_a,
+        test={"step": 200, "sacrebleu": 25.5, "lc_tok_bleu": 40.25},
+        num_params=1234,
+        done_step=200,
+    )
+    b = make_run(
+        tmp_path / "b",
+        translation_config(learning_rate=1e-3),
+        [train_row(50, 5.0, 50.0), {"step": 50, "val/bleu": 1.0, "val/lc_tok_bleu": 2.0}],
+    )
+    result = compare.compare([a, b])
+    assert result.differing == ["train.learning_rate"]
+    table = list(csv.DictReader(io.StringIO(compare.to_csv(result))))
+    assert [r["run"] for r in table] == ["a", "b"]
+    assert (
+        table[0]["train.learning_rate"] == "0.0007" and table[1]["train.learning_rate"] == "0.001"
+    )
+    assert float(table[0]["best_val_bleu"]) == 30.0
+    assert int(table[0]["best_val_bleu_step"]) == 150
+    assert float(table[0]["best_val_lc_tok_bleu"]) == 33.0
+    assert float(table[0]["test_2016_flickr_bleu"]) == 25.5
+    assert float(table[0]["test_2016_flickr_lc_tok_bleu"]) == 40.25
+    assert table[0]["params"] == "1234" and table[1]["params"] == ""
+    assert table[0]["steps"] == "200" and table[1]["steps"] == "50"  # done.json, else metrics
+    assert float(table[0]["train_seconds"]) == pytest.approx(20.0)
+    assert float(table[1]["train_seconds"]) == pytest.approx(10.0)
+    assert table[1]["test_2016_flickr_bleu"] == ""
+    markdown = compare.to_markdown(result)
+    assert "| a | 0.0007 | 1,234 | 200 | 20.0s | 100.00 | 30.00 | 150 | 25.50 |" in markdown
+
+    out = tmp_path / "out"
+    paths = compare.write(result, str(out))
+    assert Path(paths["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "compare.md").read_text() == markdown
+
+
+def test_language_model_best_is_the_lowest_and_time_counts_a_resume(tmp_path):
+    c = lm_base_config("ptb")
+    c.train.log_every = 50
+    rows = [train_row(50, 10.0), train_row(100, 10.0), {"step": 100, "valid/perplexity": 300.0}]
+    # killed after logging step 150; resumed from the step-100 checkpoint, redoing 101..150
+    rows += [train_row(150, 10.0)]
+    rows += [train_row(150, 5.0), train_row(200, 10.0), {"step": 200, "valid/perplexity": 250.0}]
+    rows += [train_row(220, 10.0), {"step": 220, "valid/perplexity": 260.0}]  # max_train_seconds
+    rows += [train_row(250, 10.0)]  # resumed from the step-220 checkpoint: 30 steps
+    run = make_run(
+        tmp_path / "xl", c, rows, test={"step": 220, "metric": "perplexity", "perplexity": 255.0}
+    )
+    other = lm_base_config("ptb")
+    other.model.mem_len = 10
+    other.train.log_every = 50
+    run2 = make_run(tmp_path / "xl2", other, [{"step": 100, "valid/perplexity": 200.0}])
+    result = compare.compare([run, run2])
+    assert [m.name for m in result.metrics] == ["perplexity"]
+    row = dict(zip(result.columns, result.rows[0], strict=True))
+    assert row["best_valid_perplexity"] == 250.0 and row["best_valid_perplexity_step"] == 200
+    assert row["test_perplexity"] == 255.0
+    assert row["train_seconds"] == pytest.approx(5 + 5 + 5 + 10 + 5 + 2 + 3)
+    # validation curve: training seconds at each validation step
+    curve = compare.Run.load(run).curve(result.metrics[0])
+    assert [(s, round(t, 6), v) for s, t, v in curve] == [
+        (100, 10.0, 300.0),
+        (200, 30.0, 250.0),
+        (220, 32.0, 260.0),
+    ]
+    assert dict(zip(result.columns, result.rows[1], strict=True))["train_seconds"] is None
+
+
+def test_mixed_families_or_metrics_are_refused(tmp_path):
+    translation = make_run(tmp_path / "mt", translation_config(), [])
+    word = make_run(tmp_path / "word", lm_base_config("ptb"), [])
+    char = make_run(tmp_path / "char", lm_base_config("ptb_char"), [])
+    with pytest.raises(ValueError, match=r"different families.*translation.*mt.*LM.*word"):
+        compare.compare([translation, word])
+    with pytest.raises(ValueError, match=r"LM \(perplexity\): word; LM \(bpc\): char"):
+        compare.compare([word, char])
+
+
+def test_expand_globs_commas_and_point_names_with_commas(tmp_path):
+    names = ["d_model=16,seed=0", "d_model=16,seed=1", "plain"]
+    for name in names:
+        make_run(tmp_path / name, lm_base_config("ptb"), [])
+    (tmp_path / "not_a_run").mkdir()
+    (tmp_path / "compare.md").write_text("")
+    expected = [str(tmp_path / name) for name in names]
+    assert compare.expand([f"{tmp_path}/*"]) == sorted(expected)
+    assert compare.expand([",".join(expected)]) == expected
+    assert compare.expand([expected[1], f"{tmp_path}/d_*"]) == [expected[1], expected[0]]
+    assert compare.default_out_dir(expected) == str(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no train.py workdir matches"):
+        compare.expand([f"{tmp_path}/x*"])
+    with pytest.raises(FileNotFoundError, match="is 'nope' a train.py workdir"):
+        compare.compare(compare.expand(["nope"]))

@@ -1,0 +1,274 @@
+"""Every positional scheme against a direct numpy reference (pair by pair, no shift tricks),
+masking schemes against truth tables, and length extrapolation."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from xformer import masks
+from xformer.attention import MultiHeadAttention
+from xformer.language_model import LanguageModel, LMConfig
+from xformer.layout import Layout
+from xformer.positional import SCHEMES
+from xformer.positional.alibi import alibi_slopes
+from xformer.positional.base import BoundPositions
+from xformer.positional.t5_bias import relative_bucket
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+CFG = LMConfig(
+    vocab_size=31, d_model=16, num_heads=2, num_layers=2, d_ff=24, dropout=0.0, relu_dropout=0.0
+)
+
+
+def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    """Rotate feature pair (p, p + D/2) of x [B, L, H, D] by an explicit 2x2 rotation."""
+    out = x.astype(np.float64).copy()
+    half = x.shape[-1] // 2
+    for li, pos in enumerate(positions):
+        for p in range(half):
+            angle = pos * base ** (-2.0 * p / x.shape[-1])
+            rotation = np.array(
+                [[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]]
+            )
+            pair = np.stack([x[:, li, :, p], x[:, li, :, p + half]], -1)  # [B, H, 2]
+            out[:, li, :, p], out[:, li, :, p + half] = np.moveaxis(pair @ rotation.T, -1, 0)
+    return out
+
+
+def numpy_bucket(distance: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+    """T5's bucketing written out for one distance (query position - key position)."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        if distance < 0:
+            bucket = num_buckets
+        distance = abs(distance)
+    else:
+        distance = max(distance, 0)
+    exact = num_buckets // 2
+    if distance < exact:
+        return bucket + distance
+    wide = exact + math.log(distance / exact) / math.log(max_distance / exact) * (
+        num_buckets - exact
+    )
+    return bucket + min(int(wide), num_buckets - 1)
+
+
+def numpy_sinusoid(distance: int, d: int) -> np.ndarray:
+    i = np.arange(d // 2)
+    angles = distance / 10000.0 ** (2 * i / d)
+    return np.stack([np.sin(angles), np.cos(angles)], -1).reshape(d)
+
+
+def numpy_bias(scheme, name, q, k, qi, kj, layout, h, layer):
+    """The logit term a scheme adds for query position qi, key position kj (head h)."""
+    distance = qi - kj
+    if name == "t5_bias":
+        bucket = numpy_bucket(distance, not layout.causal, scheme.num_buckets, scheme.max_distance)
+        return float(np.asarray(scheme.table[...])[bucket, h])
+    if name == "alibi":
+        return -float(alibi_slopes(scheme.num_heads)[h]) * abs(distance)
+    if name == "relative":
+        u, v = (np.asarray(p[layer] if scheme.untied else p[...])[h] for p in (scheme.u, scheme.v))
+        clamp = scheme.clamp_len or abs(distance)
+        r = numpy_sinusoid(int(np.clip(distance, -clamp, clamp)), scheme.d_model)
+        rk = (r @ np.asarray(scheme.r_proj[layer].kernel[...])).reshape(scheme.num_heads, -1)[h]
+        return (u @ k + (q + v) @ rk) / math.sqrt(len(q))
+    return 0.0
+
+
+def numpy_attention(attn, scheme, name, x, memory, layout, mask, layer):
+    def linear(module, inputs):
+        out = inputs @ np.asarray(module.kernel[...])
+        return out if module.bias is None else out + np.asarray(module.bias[...])
+
+    context = x if memory is None else np.concatenate([memory, x], 1)
+    b, lq, lk, h, dh = x.shape[0], x.shape[1], context.shape[1], attn.num_heads, attn.head_dim
+    if attn.kind == "self":
+        q, k, v = np.split(linear(attn.qkv_proj, x), 3, -1)
+    else:
+        q, (k, v) = linear(attn.q_proj, x), np.split(linear(attn.kv_proj, context), 2, -1)
+    q, k, v = q.reshape(b, lq, h, dh), k.reshape(b, lk, h, dh), v.reshape(b, lk, h, dh)
+    q_pos = np.asarray(layout.q_start + np.arange(lq))
+    k_pos = np.asarray(layout.k_start + np.arange(lk))
+    if name == "rope":
+        q, k = numpy_rope(q, q_pos, scheme.base), numpy_rope(k, k_pos, scheme.base)
+    out = np.zeros((b, lq, h, dh))
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(lq):
+                scores = np.full(lk, -np.inf)
+                for j in range(lk):
+                    if mask[min(bi, mask.shape[0] - 1), 0, i, j]:
+                        scores[j] = q[bi, i, hi] @ k[bi, j, hi] / math.sqrt(dh) + numpy_bias(
+                            scheme,
+                            name,
+                            q[bi, i, hi],
+                            k[bi, j, hi],
+                            q_pos[i],
+                            k_pos[j],
+                            layout,
+                            hi,
+                            layer,
+                        )
+                if not np.isfinite(scores).any():  # a padded query: compared as zeros
+                    continue
+                p = np.exp(scores - scores.max())
+                out[bi, i, hi] = (p / p.sum()) @ v[bi, :, hi]
+    return linear(attn.out_proj, out.reshape(b, lq, h * dh))
+
+
+RELATIVE_SCHEMES = [n for n, s in SCHEMES.items() if not s.absolute]
+
+
+@pytest.mark.parametrize(
+    "name,overrides",
+    [(n, {}) for n in RELATIVE_SCHEMES]
+    + [
+        ("relative", {"clamp_len": 3, "untie_relative_biases": True}),
+        ("t5_bias", {"relative_buckets": 8, "relative_max_distance": 6}),
+    ],
+)
+@pytest.mark.parametrize("setting", ["memory", "encoder", "decode_step"])
+def test_attention_under_each_scheme_matches_numpy(name, overrides, setting):
+    """Causal attention over [memory ; segment] with partly empty memory rows, bidirectional
+    attention over a padded row, and one query at a later position over a cache."""
+    seed = int(np.random.default_rng().integers(1e6))
+    rng = np.random.default_rng(seed)
+    cfg = dataclasses.replace(CFG, positional=name, **overrides)
+    scheme = SCHEMES[name](cfg, 2, rngs=nnx.Rngs(seed))
+    layer = 1
+    memory = None
+    if setting == "memory":
+        attn = MultiHeadAttention(
+            16, 2, kind="memory", dropout=0.0, use_bias=False, rngs=nnx.Rngs(seed)
+        )
+        layout = Layout.with_memory(4, 5)
+        memory = rng.normal(size=(2, 5, 16)).astype(np.float32)
+        valid = masks.memory_key_valid(5, 4, jnp.asarray([5, 2]))
+        mask = masks.attention_mask("causal", layout, key_valid=valid)
+        x = rng.normal(size=(2, 4, 16)).astype(np.float32)
+    elif setting == "encoder":
+        attn = MultiHeadAttention(16, 2, kind="self", dropout=0.0, rngs=nnx.Rngs(seed))
+        layout = Layout(6, 6, causal=False)
+        segments = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+        mask = masks.attention_mask(
+            "bidirectional", layout, q_segments=segments, k_segments=segments
+        )
+        x = rng.normal(size=(2, 6, 16)).astype(np.float32)
+    else:  # keys at cache slots 0..6, the query at position 4 (later slots masked)
+        attn = MultiHeadAttention(16, 2, kind="memory", dropout=0.0, rngs=nnx.Rngs(seed))
+        layout = Layout(1, 7, q_start=4)
+        memory = rng.normal(size=(2, 6, 16)).astype(np.float32)
+        mask = masks.attention_mask("causal", Layout(1, 7, q_start=6))  # all keys are visible
+        x = rng.normal(size=(2, 1, 16)).astype(np.float32)
+    bound = BoundPositions.bind(scheme, layout)
+    out = attn(
+        jnp.asarray(x),
+        mask,
+        positions=bound,
+        layer=layer,
+        memory=None if memory is None else jnp.asarray(memory),
+    )
+    expected = numpy_attention(attn, scheme, name, x, memory, layout, np.asarray(mask), layer)
+    valid_rows = np.asarray(mask).any(-1)[..., 0, :, None]  # padded queries see nothing
+    np.testing.assert_allclose(
+        np.where(valid_rows, out, 0), np.where(valid_rows, expected, 0), atol=2e-4, rtol=2e-4
+    )
+
+
+def test_rope_scores_depend_only_on_the_distance():
+    rng = np.random.default_rng()
+    scheme = SCHEMES["rope"](CFG, 1, rngs=nnx.Rngs(0))
+    q, k = (jnp.asarray(rng.normal(size=(1, 1, 2, 8)), jnp.float32) for _ in range(2))
+    scores = [
+        float(jnp.sum(scheme.rotate(q, start + 3) * scheme.rotate(k, start)))
+        for start in (0, 5, 117)
+    ]
+    np.testing.assert_allclose(scores, scores[0], rtol=1e-4)
+    assert abs(float(jnp.sum(q * k)) - scores[0]) > 1e-4  # and the rotation does something
+
+
+def test_t5_buckets_known_values():
+    """Values from the bucketing rule: 32 buckets, 16 per direction, exact below 8, log-spaced
+    up to 128."""
+    distances = jnp.asarray([0, 1, 7, 8, 16, 127, 1000, -1, -16, -1000])
+    buckets = relative_bucket(distances, bidirectional=True, num_buckets=32, max_distance=128)
+    np.testing.assert_array_equal(buckets, [0, 1, 7, 8, 10, 15, 15, 17, 26, 31])
+    causal = relative_bucket(distances, bidirectional=False, num_buckets=32, max_distance=128)
+    assert list(np.asarray(causal)[:4]) == [0, 1, 7, 8] and int(causal[-1]) == 0
+    for d in range(-300, 300, 7):
+        assert int(
+            relative_bucket(jnp.asarray(d), bidirectional=True, num_buckets=32, max_distance=128)
+        ) == numpy_bucket(d, True, 32, 128)
+
+
+def test_alibi_slopes_follow_the_paper():
+    np.testing.assert_allclose(alibi_slopes(8), [2.0**-i for i in range(1, 9)])
+    half_steps = [2.0 ** -(i + 0.5) for i in range(4)]  # every other slope of 16 heads
+    np.testing.assert_allclose(alibi_slopes(12), [2.0**-i for i in range(1, 9)] + half_steps)
+
+
+def test_mask_truth_tables():
+    def table(kind, layout, **kwargs):
+        return np.asarray(masks.attention_mask(kind, layout, **kwargs))[0, 0].astype(int)
+
+    square = Layout(4, 4)
+    np.testing.assert_array_equal(table("causal", square), np.tril(np.ones((4, 4), int)))
+    np.testing.assert_array_equal(table("bidirectional", square), np.ones((4, 4), int))
+    np.testing.assert_array_equal(
+        table("sliding_window", square, window=2),
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]],
+    )
+    np.testing.assert_array_equal(
+        table("sliding_window", Layout(4, 4, causal=False), window=2),
+        [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]],
+    )
+    np.testing.assert_array_equal(
+        table("prefix_lm", square, prefix_length=2),
+        [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]],
+    )
+    np.testing.assert_array_equal(  # memory of 2: each query sees itself and 1 key before
+        table("same_length", Layout.with_memory(3, 2)),
+        [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]],
+    )
+    segments = jnp.asarray([[1, 1, 2, 0]])  # packed examples and padding always compose in
+    np.testing.assert_array_equal(
+        table("sliding_window", square, window=3, q_segments=segments, k_segments=segments),
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]],
+    )
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_length_extrapolation(name):
+    """A model built for 8 positions runs on 16 unless its positions are a learned table,
+    which fails with a clear error; causal outputs of the first 8 tokens do not change."""
+    cfg = dataclasses.replace(CFG, positional=name, max_len=8)
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng().integers(0, 31, (2, 16)), jnp.int32)
+    short, _ = model(tokens[:, :8], tokens[:, :8])
+    if name == "learned":
+        with pytest.raises(ValueError, match=r"exceeds the learned position table"):
+            model(tokens, tokens)
+        return
+    long, _ = model(tokens, tokens)
+    np.testing.assert_allclose(long[:, :8], short, atol=1e-5)
+    assert np.isfinite(np.asarray(long)).all()
+
+
+@pytest.mark.parametrize("name", ["rope", "sinusoidal"])
+def test_prefix_lm_sees_its_prefix_both_ways_and_nothing_after(name):
+    cfg = dataclasses.replace(CFG, positional=name, mask="prefix_lm", prefix_length=3)
+    model = LanguageModel(cfg, rngs=nnx.Rngs(1))
+    tokens = jnp.asarray(np.random.default_rng().integers(0, 31, (1, 8)), jnp.int32)
+    base, _ = model(tokens, tokens)
+    in_prefix, _ = model(tokens.at[0, 2].set((tokens[0, 2] + 1) % 31), tokens)
+    assert abs(float(in_prefix[0, 0] - base[0, 0])) > 1e-5  # position 0 sees position 2
+    later, _ = model(tokens.at[0, 5].set((tokens[0, 5] + 1) % 31), tokens)
+    np.testing.assert_allclose(later[:, :5], base[:, :5], atol=1e-6)

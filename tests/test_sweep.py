@@ -1,0 +1,375 @@
+"""Config sweeps: grid semantics and names, overrides parsed exactly as train.py parses them,
+validation before anything runs, the dry run's command lines, and a real 2-point sweep on PTB
+that skips finished points, evaluates trained ones and resumes unfinished ones; then
+`eval.py --compare` on its two runs."""
+
+import csv
+import io
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from xformer import experiment as experiment_lib
+from xformer import sweep
+from xformer.config import lm_base_config
+from xformer.tasks import make_task
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+NAMES = ["d_model=16,adaptive_cutoffs=none", "d_model=32,adaptive_cutoffs=100"]
+
+TINY_CONFIG = """
+from xformer.config import lm_base_config
+
+
+def get_config():
+    c = lm_base_config("ptb")
+    c.model.d_model = 16
+    c.model.num_heads = 2
+    c.model.num_decoder_layers = 1
+    c.model.d_ff = 32
+    c.model.mem_len = 8
+    c.data.segment_length = 8
+    c.data.vocab_size = 200
+    c.data.manual_dir = {manual_dir!r}
+    c.data.data_dir = {data_dir!r}
+    c.train.batch_size = 2
+    c.train.num_steps = 3
+    c.train.log_every = 1
+    c.train.eval_every = 1
+    c.train.checkpoint_every = 3
+    c.train.warmup_steps = 1
+    c.train.max_train_seconds = 0.0
+    c.eval.batch_size = 32
+    c.eval.segment_length = 64
+    return c
+"""
+
+TINY_SWEEP = """
+from xformer import sweep
+from xformer.config import lm_base_config
+
+BASE = {base!r}
+
+
+def get_sweep():
+    return sweep.zip_({{"model.d_model": [16, 32], "model.adaptive_cutoffs": [(), (100,)]}})
+"""
+
+
+def write_sweep(directory: Path, data_dir: str) -> Path:
+    base = directory / "tiny.py"
+    base.write_text(TINY_CONFIG.format(manual_dir=str(SHARED / "ptb"), data_dir=data_dir))
+    path = directory / "sweep_tiny.py"
+    path.write_text(TINY_SWEEP.format(base=str(base)))
+    return path
+
+
+def run(args):
+    env = {**os.environ, "XFORMER_DATA_DIR": str(SHARED)}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+# The grid ----------------------------------------------------------------------------------
+
+
+def test_product_zip_and_point_names():
+    points = sweep.product(
+        sweep.grid("model.positional", ["relative", "rope"]),
+        sweep.zip_({"train.seed": [0, 1], "train.learning_rate": [1e-3, 2e-3]}),
+    )
+    assert points == [
+        {"model.positional": "relative", "train.seed": 0, "train.learning_rate": 1e-3},
+        {"model.positional": "relative", "train.seed": 1, "train.learning_rate": 2e-3},
+        {"model.positional": "rope", "train.seed": 0, "train.learning_rate": 1e-3},
+        {"model.positional": "rope", "train.seed": 1, "train.learning_rate": 2e-3},
+    ]
+    assert [list(p) for p in points] == [
+        ["model.positional", "train.seed", "train.learning_rate"]
+    ] * 4
+    assert sweep.point_names(points) == [
+        "positional=relative,seed=0,learning_rate=0.001",
+        "positional=relative,seed=1,learning_rate=0.002",
+        "positional=rope,seed=0,learning_rate=0.001",
+        "positional=rope,seed=1,learning_rate=0.002",
+    ]
+    # A dict is one grid axis per key: product of its keys, zip of its keys.
+    assert sweep.product({"a.x": [1, 2], "a.y": [3, 4]}) == [
+        {"a.x": 1, "a.y": 3},
+        {"a.x": 1, "a.y": 4},
+        {"a.x": 2, "a.y": 3},
+        {"a.x": 2, "a.y": 4},
+    ]
+    assert sweep.zip_(sweep.grid("a.x", [1, 2]), {"a.y": [3, 4]}) == [
+        {"a.x": 1, "a.y": 3},
+        {"a.x": 2, "a.y": 4},
+    ]
+    with pytest.raises(ValueError, match=r"equal length.*\[2, 1\]"):
+        sweep.zip_({"train.seed": [0, 1], "train.learning_rate": [1e-3]})
+    with pytest.raises(ValueError, match="'train.seed' is set by more than one axis"):
+        sweep.product(sweep.grid("train.seed", [0]), sweep.grid("train.seed", [1]))
+    with pytest.raises(TypeError, match="list of values"):
+        sweep.grid("model.positional", "rope")
+
+    # Keys sharing a last component are named in full; tuples and odd characters stay safe.
+    names = sweep.point_names(
+        sweep.product(
+            {"model.mem_len": [0, 8], "eval.mem_len": [16]},
+            sweep.grid("model.adaptive_cutoffs", [(), (100, 150)]),
+            sweep.grid("data.vocab_dir", ["/tmp/v 1"]),
+        )
+    )
+    assert names[0] == "model.mem_len=0,eval.mem_len=16,adaptive_cutoffs=none,vocab_dir=_tmp_v_1"
+    assert names[1].startswith("model.mem_len=0,eval.mem_len=16,adaptive_cutoffs=100-150,")
+    assert len(set(names)) == len(names) == 4
+    assert all(re.fullmatch(r"[A-Za-z0-9._=,+-]+", name) for name in names)
+    with pytest.raises(ValueError, match="same name"):
+        sweep.point_names(sweep.grid("train.seed", [1, 1]))
+
+
+# Configs and validation --------------------------------------------------------------------
+
+
+def test_overrides_round_trip_through_the_command_line(tmp_path):
+    base = str(ROOT / "configs" / "ptb_xl.py")
+    point = {
+        "model.adaptive_cutoffs": (100, 200),
+        "model.tie_projs": (False, True, True),
+        "model.positional": "rope",
+        "model.dropout": 0.0,
+        "train.learning_rate": 2e-3,
+        "eval.mem_len": 0,
+    }
+    assert sweep.config_args(point) == [
+        "--config.model.adaptive_cutoffs=(100, 200)",
+        "--config.model.tie_projs=(False, True, True)",
+        "--config.model.positional=rope",
+        "--config.model.dropout=0.0",
+        "--config.train.learning_rate=0.002",
+        "--config.eval.mem_len=0",
+    ]
+    config = sweep.point_config(base, point)
+    assert config.model.adaptive_cutoffs == (100, 200)
+    assert config.model.tie_projs == (False, True, True)
+    assert config.model.positional == "rope" and config.train.learning_rate == 2e-3
+    assert config.model.d_model == 256  # from the base config
+    assert sweep.point_config(base, {"model.adaptive_cutoffs": ()}).model.adaptive_cutoffs == ()
+
+    with pytest.raises(ValueError, match=r"share_embeddings=1 parses to True, not 1"):
+        sweep.point_config(base, {"model.share_embeddings": 1})
+    with pytest.raises(ValueError, match=r"parses to \(100, 200\), not '100,200'"):
+        sweep.point_config(base, {"model.adaptive_cutoffs": "100,200"})
+    with pytest.raises(ValueError, match="positonal"):  # unknown key
+        sweep.point_config(base, {"model.positonal": "rope"})
+    with pytest.raises(ValueError, match="'model.positional' is 'rop'"):  # validate() says so
+        sweep.point_config(base, {"model.positional": "rop"})
+    with pytest.raises(ValueError, match="config.model.d_model"):  # not an int
+        sweep.point_config(base, {"model.d_model": "big"})
+
+    variant = tmp_path / "variant.py"
+    variant.write_text(
+        "from xformer.config import lm_base_config\n\n\ndef get_config(width):\n"
+        "    c = lm_base_config('ptb')\n    c.model.d_model = int(width)\n    return c\n"
+    )
+    assert sweep.point_config(f"{variant}:48", {"model.num_heads": 4}).model.d_model == 48
+
+
+def test_every_point_is_validated_before_anything_runs(tmp_path, monkeypatch):
+    path = tmp_path / "sweep_bad.py"
+    path.write_text(
+        f"from xformer import sweep\nBASE = {str(ROOT / 'configs' / 'ptb_xl.py')!r}\n"
+        "def get_sweep():\n    return sweep.grid('model.d_model', [64, 63])\n"
+    )
+    launched = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: launched.append(a))
+    with pytest.raises(ValueError, match="point 'd_model=63'.*model.d_model=63"):
+        sweep.run(sweep.load(str(path)), str(tmp_path / "root"))
+    assert not launched and not (tmp_path / "root").exists()
+
+
+def test_shipped_sweeps_validate_and_document_their_commands():
+    paths = sorted((ROOT / "configs" / "sweeps").glob("*.py"))
+    assert paths
+    for path in paths:
+        s = sweep.load(str(path))
+        for point in s.points:
+            sweep.point_config(s.base, point)
+        doc = path.read_text()
+        assert f"python train.py --sweep=configs/sweeps/{path.name} --workdir=" in doc
+        assert "--dry_run" in doc and "python eval.py --compare=" in doc
+
+
+def test_remaining_reads_the_done_and_eval_markers(tmp_path):
+    config = lm_base_config("ptb")
+    config.train.num_steps = 100
+
+    def write(name, obj):
+        (tmp_path / name).write_text(json.dumps(obj))
+
+    assert sweep.remaining(str(tmp_path), config) == ["train", "eval"]
+    write("done.json", {"step": 60, "reason": "num_steps", "metrics": {}})  # num_steps was raised
+    assert sweep.remaining(str(tmp_path), config) == ["train", "eval"]
+    write("done.json", {"step": 60, "reason": "max_train_seconds", "metrics": {}})
+    assert sweep.remaining(str(tmp_path), config) == ["eval"]
+    write("eval_test.json", {"step": 50})  # scores an older checkpoint
+    assert sweep.remaining(str(tmp_path), config) == ["eval"]
+    write("eval_test.json", {"step": 60})
+    assert sweep.remaining(str(tmp_path), config) == []
+    write("done.json", {"step": 100, "reason": "num_steps", "metrics": {}})
+    assert sweep.remaining(str(tmp_path), config) == ["eval"]
+
+
+def test_dry_run_prints_the_exact_commands(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    s = sweep.load(str(write_sweep(tmp_path, str(tmp_path / "tfds"))))
+    root = tmp_path / "root"
+    lines = []
+    todo = sweep.run(s, str(root), dry_run=True, echo=lines.append)
+    base = tmp_path / "tiny.py"
+    assert lines == [
+        f"# sweep of 2 points on {base} in {root}",
+        f"# [1/2] {NAMES[0]}: run",
+        f"python train.py --config={base} --config.model.d_model=16 "
+        f"'--config.model.adaptive_cutoffs=()' --workdir={root}/{NAMES[0]}",
+        f"python eval.py --workdir={root}/{NAMES[0]}",
+        f"# [2/2] {NAMES[1]}: run",
+        f"python train.py --config={base} --config.model.d_model=32 "
+        f"'--config.model.adaptive_cutoffs=(100,)' --workdir={root}/{NAMES[1]}",
+        f"python eval.py --workdir={root}/{NAMES[1]}",
+    ]
+    assert todo == {NAMES[0]: ["train", "eval"], NAMES[1]: ["train", "eval"]}
+    assert not root.exists()
+
+
+def test_train_py_needs_exactly_one_of_config_and_sweep(tmp_path):
+    neither = run(["train.py", f"--workdir={tmp_path}"])
+    both = run(
+        [
+            "train.py",
+            "--config=configs/ptb_xl.py",
+            "--sweep=configs/sweeps/ptb_positional.py",
+            f"--workdir={tmp_path}",
+        ]
+    )
+    for result in (neither, both):
+        assert result.returncode != 0
+        assert "give exactly one of --config and --sweep" in result.stderr
+
+
+# A real sweep ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, tfds_dir):
+    """The tiny 2-point sweep, trained and evaluated through `train.py --sweep`."""
+    if not (SHARED / "ptb").exists():
+        pytest.skip(f"real data not found at {SHARED / 'ptb'}")
+    directory = tmp_path_factory.mktemp("sweep")
+    path = write_sweep(directory, tfds_dir)
+    result = run(["train.py", f"--sweep={path}", f"--workdir={directory / 'root'}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("python train.py") == result.stdout.count("python eval.py") == 2
+    return path, directory / "root"
+
+
+def _files(workdir: Path) -> dict[str, int]:
+    names = ("done.json", "eval_test.json", "metrics.jsonl", "run_info.json")
+    return {n: (workdir / n).stat().st_mtime_ns for n in names if (workdir / n).exists()}
+
+
+def test_sweep_skips_finished_points_and_resumes_the_rest(swept, capfd):
+    path, root = swept
+    a, b = root / NAMES[0], root / NAMES[1]
+    for workdir in (a, b):
+        done = json.loads((workdir / "done.json").read_text())
+        assert done["step"] == 3 and done["reason"] == "num_steps"
+        assert json.loads((workdir / "eval_test.json").read_text())["step"] == 3
+    before = {w: _files(w) for w in (a, b)}
+
+    again = []  # the runner in-process this time: its commands still run as subprocesses
+    todo = sweep.run(sweep.load(str(path)), str(root), echo=again.append)
+    assert todo == {NAMES[0]: [], NAMES[1]: []}
+    assert again[1:] == [
+        f"# [1/2] {NAMES[0]}: finished: skip",
+        f"# [2/2] {NAMES[1]}: finished: skip",
+    ]
+    assert {w: _files(w) for w in (a, b)} == before
+
+    # a lost its test score: evaluate only; b lost its finished marker: train (resume), evaluate.
+    (a / "eval_test.json").unlink()
+    (b / "done.json").unlink()
+    (b / "eval_test.json").unlink()
+    train_rows = (b / "metrics.jsonl").read_text().count("train/loss")
+    capfd.readouterr()
+    third = []
+    todo = sweep.run(sweep.load(str(path)), str(root), echo=third.append)
+    assert todo == {NAMES[0]: ["eval"], NAMES[1]: ["train", "eval"]}
+    assert third[1] == f"# [1/2] {NAMES[0]}: trained: eval"
+    assert third[2] == f"python eval.py --workdir={a}"
+    assert third[3] == f"# [2/2] {NAMES[1]}: run"
+    assert third[4].startswith("python train.py ") and third[4].endswith(f"--workdir={b}")
+    assert third[5] == f"python eval.py --workdir={b}"
+    assert len(third) == 6
+    assert "resumed from step 3" in capfd.readouterr().err
+    assert (b / "metrics.jsonl").read_text().count("train/loss") == train_rows  # no new steps
+    assert json.loads((b / "done.json").read_text())["step"] == 3
+    for workdir in (a, b):
+        assert json.loads((workdir / "eval_test.json").read_text())["step"] == 3
+    assert _files(a)["done.json"] == before[a]["done.json"]
+    assert _files(a)["metrics.jsonl"] == before[a]["metrics.jsonl"]
+
+
+def _true_num_params(workdir: Path) -> int:
+    config = experiment_lib.load_config(str(workdir))
+    task = make_task(config, str(workdir), train_if_missing=False)
+    model = nnx.eval_shape(lambda: task.exp.make_model(experiment_lib.model_rngs(0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_compare_the_two_runs(swept):
+    _, root = swept
+    result = run(["eval.py", f"--compare={root}/*"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(io.StringIO((root / "compare.csv").read_text())))
+    columns = list(rows[0])
+    assert columns[: columns.index("params")] == ["run", "model.adaptive_cutoffs", "model.d_model"]
+    assert [r["run"] for r in rows] == NAMES
+    assert [(r["model.adaptive_cutoffs"], r["model.d_model"]) for r in rows] == [
+        ("[]", "16"),
+        ("[100]", "32"),
+    ]
+    params = [_true_num_params(root / name) for name in NAMES]
+    assert params[0] != params[1]
+    assert [int(r["params"]) for r in rows] == params
+    for name, row in zip(NAMES, rows, strict=True):
+        lines = (root / name / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line) for line in lines]
+        val = [(m["valid/perplexity"], m["step"]) for m in metrics if "valid/perplexity" in m]
+        train = [m for m in metrics if "train/steps_per_s" in m]
+        assert len(val) == 3 and len(train) == 3
+        assert float(row["best_valid_perplexity"]) == min(val)[0]
+        assert int(row["best_valid_perplexity_step"]) == min(val)[1]
+        test = json.loads((root / name / "eval_test.json").read_text())
+        assert float(row["test_perplexity"]) == test["perplexity"]
+        assert int(row["steps"]) == 3
+        # log_every=1: one step per train row
+        seconds = sum(1 / m["train/steps_per_s"] for m in train)
+        assert float(row["train_seconds"]) == pytest.approx(seconds, rel=1e-9)
+        tokens = statistics.median(m["train/tokens_per_s"] for m in train)
+        assert float(row["median_tokens_per_s"]) == pytest.approx(tokens, rel=1e-12)
+    markdown = (root / "compare.md").read_text()
+    assert markdown.splitlines()[0].startswith("| run | model.adaptive_cutoffs | model.d_model |")
+    assert all(f"| {name} |" in markdown for name in NAMES)
+    assert markdown in result.stdout
+    assert (root / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

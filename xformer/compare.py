@@ -1,0 +1,339 @@
+"""Compare finished runs: one table row per workdir, and the validation curves in one plot.
+
+A row holds the run's name (its workdir's base name), the config values that differ across the
+runs (config.json flattened to dotted keys), the parameter count (run_info.json), the final step,
+the training wall time, the median training tokens/s, the best validation value of the family's
+metric and its step, and the test value from eval.py's eval_<config.data.test_split>.json.
+
+Metrics: BLEU for translation (sacreBLEU, and the lowercased tokenized BLEU of Multi30k papers;
+higher is better), perplexity for word-level and bits per character for character-level
+language models (`CorpusInfo.metric`; lower is better). Runs of different families or metrics
+cannot be compared.
+
+Training wall time is the sum over the train rows of metrics.jsonl of (steps in the row's
+interval) / train/steps_per_s, so evaluation, compilation and start-up are excluded and steps
+repeated after a resume count again. A row's interval starts at the previous train row or at the
+multiple of train.log_every below it, whichever is later; this is exact except after a resume
+from a checkpoint that is not a multiple of log_every (up to log_every steps counted too many).
+"""
+
+import csv
+import dataclasses
+import glob
+import io
+import json
+import math
+import os
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from xformer.train_lib import DONE_FILE, RUN_INFO_FILE
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    name: str  # e.g. "perplexity"; the validation rows log "<eval_split>/<name>"
+    eval_key: str  # its key in eval.py's eval_<split>.json
+    higher_is_better: bool
+
+
+BLEU = (Metric("bleu", "sacrebleu", True), Metric("lc_tok_bleu", "lc_tok_bleu", True))
+LM_METRICS = {
+    "perplexity": Metric("perplexity", "perplexity", False),
+    "bpc": Metric("bpc", "bpc", False),
+}
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@dataclasses.dataclass
+class Run:
+    """What a train.py / eval.py workdir recorded."""
+
+    workdir: str
+    config: dict[str, Any]  # config.json as {dotted key: value}
+    rows: list[dict]  # metrics.jsonl
+    run_info: dict | None
+    done: dict | None
+    test: dict | None  # eval_<test split>.json
+
+    @classmethod
+    def load(cls, workdir: str) -> "Run":
+        path = os.path.join(workdir, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} not found: is {workdir!r} a train.py workdir?")
+        config = _flatten(_read_json(path))
+        rows = []
+        if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+            with open(os.path.join(workdir, "metrics.jsonl")) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+
+        def optional(name):
+            path = os.path.join(workdir, name)
+            return _read_json(path) if os.path.exists(path) else None
+
+        test = optional(f"eval_{config['data.test_split']}.json")
+        return cls(workdir, config, rows, optional(RUN_INFO_FILE), optional(DONE_FILE), test)
+
+    @property
+    def family(self) -> str:
+        return "translation" if self.config["model.family"] == "encoder_decoder" else "LM"
+
+    def metrics(self) -> tuple[Metric, ...]:
+        if self.family == "translation":
+            return BLEU
+        if self.test is not None and "metric" in self.test:
+            return (LM_METRICS[self.test["metric"]],)
+        from xformer.data.lm_corpora import corpus_info  # a TFDS import: only when needed
+
+        return (LM_METRICS[corpus_info(self.config["data.dataset"]).metric],)
+
+    @property
+    def train_rows(self) -> list[dict]:
+        return [r for r in self.rows if "train/steps_per_s" in r]
+
+    def steps(self) -> int | None:
+        if self.done is not None:
+            return int(self.done["step"])
+        return max((int(r["step"]) for r in self.rows), default=None)
+
+    def timeline(self) -> list[tuple[dict, float]]:
+        """Every metrics.jsonl row with the training seconds spent up to it (see the module
+        docstring); a validation row between log steps extrapolates at the last rate."""
+        log_every = int(self.config["train.log_every"])
+        out, seconds, last_step, rate = [], 0.0, 0, None
+        for row in self.rows:
+            step = int(row["step"])
+            if "train/steps_per_s" in row:
+                start = (step - 1) // log_every * log_every
+                if last_step < step:
+                    start = max(start, last_step)
+                rate = row["train/steps_per_s"]
+                seconds += (step - start) / rate
+                last_step = step
+                out.append((row, seconds))
+            else:
+                out.append((row, seconds + (max(step - last_step, 0) / rate if rate else 0.0)))
+        return out
+
+    def curve(self, metric: Metric) -> list[tuple[int, float, float]]:
+        """(step, training seconds so far, value) of every validation row."""
+        key = f"{self.config['data.eval_split']}/{metric.name}"
+        return [(int(r["step"]), t, float(r[key])) for r, t in self.timeline() if key in r]
+
+    def train_seconds(self) -> float | None:
+        times = [t for r, t in self.timeline() if "train/steps_per_s" in r]
+        return times[-1] if times else None
+
+
+def _split(item: str) -> list[str]:
+    """Split at commas, except inside an existing path (sweep point names hold commas)."""
+    pieces, out, i = item.split(","), [], 0
+    while i < len(pieces):
+        for j in range(len(pieces), i, -1):  # the longest join that names something
+            joined = ",".join(pieces[i:j])
+            if j == i + 1 or os.path.exists(joined) or glob.glob(joined):
+                break
+        out.append(joined)
+        i = j
+    return [p for p in out if p]
+
+
+def expand(patterns: Sequence[str]) -> list[str]:
+    """Workdirs from paths, comma-separated lists and glob patterns. A pattern keeps only the
+    directories with a config.json; a plain path must be a workdir. Order kept, no repeats."""
+    workdirs: list[str] = []
+    for item in patterns:
+        for pattern in _split(item):
+            if glob.has_magic(pattern):
+                found = sorted(glob.glob(pattern))
+                found = [p for p in found if os.path.exists(os.path.join(p, "config.json"))]
+                if not found:
+                    raise FileNotFoundError(f"no train.py workdir matches {pattern!r}")
+            else:
+                found = [pattern]
+            workdirs += [os.path.normpath(p) for p in found if os.path.normpath(p) not in workdirs]
+    return workdirs
+
+
+def _names(workdirs: Sequence[str]) -> list[str]:
+    names = [os.path.basename(os.path.abspath(w)) for w in workdirs]
+    if len(set(names)) < len(names):  # e.g. a/run and b/run: paths below the common parent
+        common = os.path.commonpath([os.path.abspath(w) for w in workdirs])
+        names = [os.path.relpath(os.path.abspath(w), common) for w in workdirs]
+    return names
+
+
+@dataclasses.dataclass
+class Comparison:
+    runs: list[Run]
+    names: list[str]
+    differing: list[str]  # config keys whose values differ across the runs
+    metrics: tuple[Metric, ...]
+    columns: list[str]
+    rows: list[list[Any]]  # raw values, one list per run, in column order (None: unknown)
+
+
+def compare(workdirs: Sequence[str]) -> Comparison:
+    """The comparison table of `workdirs`; ValueError if they are of different families."""
+    if not workdirs:
+        raise ValueError("nothing to compare: no workdirs given")
+    runs = [Run.load(w) for w in workdirs]
+    names = _names(workdirs)
+    families = {}
+    for name, run in zip(names, runs, strict=True):
+        families.setdefault((run.family, run.metrics()[0].name), []).append(name)
+    if len(families) > 1:
+        kinds = "; ".join(
+            f"{fam} ({metric}): {', '.join(n)}" for (fam, metric), n in families.items()
+        )
+        raise ValueError(f"cannot compare runs of different families or metrics: {kinds}")
+    metrics = runs[0].metrics()
+    keys = sorted(set().union(*(run.config for run in runs)))
+    missing = object()
+    differing = [
+        k
+        for k in keys
+        if len({json.dumps(r.config.get(k, missing), default=str) for r in runs}) > 1
+    ]
+    val_split = {r.config["data.eval_split"] for r in runs}
+    test_split = {r.config["data.test_split"] for r in runs}
+    val = val_split.pop() if len(val_split) == 1 else "val"
+    test = test_split.pop() if len(test_split) == 1 else "test"
+    columns = ["run", *differing, "params", "steps", "train_seconds", "median_tokens_per_s"]
+    for m in metrics:
+        columns += [f"best_{val}_{m.name}", f"best_{val}_{m.name}_step", f"{test}_{m.name}"]
+    rows = []
+    for name, run in zip(names, runs, strict=True):
+        train_rows = run.train_rows
+        tokens = [r["train/tokens_per_s"] for r in train_rows if "train/tokens_per_s" in r]
+        row = [
+            name,
+            *(run.config.get(k) for k in differing),
+            run.run_info["num_params"] if run.run_info else None,
+            run.steps(),
+            run.train_seconds(),
+            statistics.median(tokens) if tokens else None,
+        ]
+        for m in metrics:
+            curve = run.curve(m)
+            pick = max if m.higher_is_better else min
+            best = pick(curve, key=lambda p: p[2]) if curve else None
+            row += [
+                best[2] if best else None,
+                best[0] if best else None,
+                run.test.get(m.eval_key) if run.test else None,
+            ]
+        rows.append(row)
+    return Comparison(runs, names, differing, metrics, columns, rows)
+
+
+def _cell(value: Any, column: str, config_column: bool) -> str:
+    if value is None:
+        return ""
+    if config_column:
+        return json.dumps(value) if isinstance(value, list) else str(value)
+    if column == "train_seconds":
+        if value < 60:
+            return f"{value:.1f}s"
+        s = int(round(value))
+        return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+    if isinstance(value, bool) or column in ("run", "steps") or column.endswith("_step"):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value) or value == 0 or 1e-3 <= abs(value) < 1e6:
+            return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"
+        return f"{value:.3e}"
+    if isinstance(value, list):
+        return json.dumps(value)
+    return str(value)
+
+
+def to_markdown(comparison: Comparison) -> str:
+    header = [
+        c.replace("_", " ") if c not in comparison.differing else c for c in comparison.columns
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in comparison.rows:
+        cells = [
+            _cell(v, c, c in comparison.differing).replace("|", "\\|")
+            for v, c in zip(row, comparison.columns, strict=True)
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(comparison: Comparison) -> str:
+    """Raw values (floats at full precision, lists as JSON, unknown as empty)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(comparison.columns)
+    for row in comparison.rows:
+        writer.writerow(
+            ["" if v is None else json.dumps(v) if isinstance(v, list) else v for v in row]
+        )
+    return out.getvalue()
+
+
+def plot(comparison: Comparison, path: str) -> None:
+    """The validation metric against steps and against training wall time, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = comparison.metrics[0]
+    curves = [run.curve(metric) for run in comparison.runs]
+    longest = max((c[-1][1] for c in curves if c), default=0.0)
+    scale, unit = (60.0, "min") if longest > 120 else (1.0, "s")
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, curve in zip(comparison.names, curves, strict=True):
+        if curve:
+            steps, seconds, values = zip(*curve, strict=True)
+            by_step.plot(steps, values, marker="o", markersize=3, label=name)
+            by_time.plot([s / scale for s in seconds], values, marker="o", markersize=3, label=name)
+    split = comparison.runs[0].config["data.eval_split"]
+    for ax, xlabel in ((by_step, "step"), (by_time, f"training wall time ({unit})")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"{split} {metric.name}")
+        ax.grid(alpha=0.3)
+    by_time.legend(fontsize="small")
+    fig.suptitle(
+        f"{split} {metric.name} ({'higher' if metric.higher_is_better else 'lower'} is better)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(comparison: Comparison, out_dir: str) -> dict[str, str]:
+    """Write compare.md, compare.csv and compare.png into `out_dir`; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {ext: os.path.join(out_dir, f"compare.{ext}") for ext in ("md", "csv", "png")}
+    with open(paths["md"], "w") as f:
+        f.write(to_markdown(comparison))
+    with open(paths["csv"], "w", newline="") as f:
+        f.write(to_csv(comparison))
+    plot(comparison, paths["png"])
+    return paths
+
+
+def default_out_dir(workdirs: Sequence[str]) -> str:
+    """The common parent directory of the workdirs."""
+    return os.path.commonpath([os.path.dirname(os.path.abspath(w)) for w in workdirs])

@@ -1,0 +1,39 @@
+"""Absolute positions added to the token embeddings: sinusoidal (Vaswani et al., 2017) and a
+learned table."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xformer.positional.base import PositionalScheme
+
+
+def sinusoidal_encoding(positions: jax.Array, d_model: int) -> jax.Array:
+    """PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(same): [...] -> [..., d_model]."""
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d_model, 2, dtype=np.float32) / d_model))
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., d/2]
+    pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # interleave: even sin, odd cos
+    return pe.reshape(*positions.shape, -1)[..., :d_model]
+
+
+class SinusoidalPositions(PositionalScheme):
+    absolute = True
+
+    def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
+        self.d_model = cfg.d_model
+
+    def embed(self, positions: jax.Array) -> jax.Array:
+        return sinusoidal_encoding(positions, self.d_model)
+
+
+class LearnedPositions(PositionalScheme):
+    absolute = True
+
+    def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
+        self.max_len = cfg.max_len
+        init = nnx.initializers.normal(0.02)
+        self.table = nnx.Embed(cfg.max_len, cfg.d_model, embedding_init=init, rngs=rngs)
+
+    def embed(self, positions: jax.Array) -> jax.Array:
+        return self.table(positions)

@@ -1,0 +1,72 @@
+"""The interface every positional scheme implements; the base class itself adds no position
+information (the "none" scheme).
+
+A scheme can act at three places, and most use one:
+- `embed`: an absolute encoding added to the token embeddings (sinusoidal, learned);
+- `rotate`: a position-dependent map of queries and keys before their dot product (rotary);
+- `logit_bias`: a term added to the scaled attention logits (T5 buckets, ALiBi, Transformer-XL).
+`prepare` computes, once per stack call, what `logit_bias` reuses in every layer.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from xformer.layout import Layout
+
+
+class PositionalScheme(nnx.Module):
+    """Built as Scheme(cfg, num_layers, rngs=rngs) with cfg a model config (d_model, num_heads,
+    max_len, dropout and the scheme's own fields)."""
+
+    max_len: int | None = None  # the longest sequence the scheme can encode (None: any)
+    absolute = False  # positions are added to the embeddings, so states cannot be reused
+    # at other positions (no Transformer-XL memory)
+
+    def __init__(self, cfg: Any, num_layers: int, *, rngs: nnx.Rngs):
+        pass
+
+    def embed(self, positions: jax.Array) -> jax.Array | None:
+        """positions [B, L] -> encoding [B, L, d] added to the embeddings, or None."""
+        return None
+
+    def prepare(self, layout: Layout) -> Any:
+        """Per-call state shared by the layers of a stack (e.g. a bias computed once)."""
+        return None
+
+    def rotate(self, x: jax.Array, start: int | jax.Array) -> jax.Array:
+        """Queries or keys x [B, L, H, D] at positions start..start+L-1 -> same shape."""
+        return x
+
+    def logit_bias(
+        self, prepared: Any, q: jax.Array, k: jax.Array, layout: Layout, layer: int
+    ) -> jax.Array | None:
+        """Added to q.k / sqrt(D): q [B, Lq, H, D], k [B, Lk, H, D] -> [B or 1, H, Lq, Lk]."""
+        return None
+
+    def check_length(self, length: int) -> None:
+        """Fail before compute when positions up to `length` cannot be encoded."""
+        if self.max_len is not None and length > self.max_len:
+            raise ValueError(
+                f"sequence length {length} exceeds the learned position table "
+                f"(model.max_len={self.max_len}); learned positions cannot extrapolate: use "
+                "another model.positional or a larger model.max_len"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundPositions:
+    """A scheme bound to one call of an attention stack: what every layer's attention needs."""
+
+    scheme: PositionalScheme
+    layout: Layout
+    prepared: Any
+
+    @classmethod
+    def bind(cls, scheme: PositionalScheme, layout: Layout) -> "BoundPositions":
+        return cls(scheme, layout, scheme.prepare(layout))
+
+    def bias(self, q: jax.Array, k: jax.Array, layer: int) -> jax.Array | None:
+        return self.scheme.logit_bias(self.prepared, q, k, self.layout, layer)

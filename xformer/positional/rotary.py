@@ -1,0 +1,32 @@
+"""Rotary position embedding (RoPE; Su et al., 2021): each pair of query/key features is
+rotated by an angle proportional to the position, so q.k depends on positions only through
+their difference. Pairs are (x[i], x[i + D/2]), the half-split layout of GPT-NeoX and LLaMA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xformer.positional.base import PositionalScheme
+
+
+def rotate(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+    """x [B, L, H, D], positions [L] -> x with pair i rotated by positions * base^(-2i/D)."""
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-np.arange(half, dtype=np.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [L, D/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [L, 1, D/2]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class RotaryPositions(PositionalScheme):
+    def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
+        head_dim = cfg.d_model // cfg.num_heads
+        if head_dim % 2:
+            raise ValueError(f"model.positional='rope' needs an even head size, got {head_dim}")
+        self.base = cfg.rope_base
+
+    def rotate(self, x: jax.Array, start: int | jax.Array) -> jax.Array:
+        return rotate(x, start + jnp.arange(x.shape[1]), self.base)

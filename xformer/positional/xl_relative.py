@@ -1,0 +1,75 @@
+"""Transformer-XL relative positions (Dai et al., 2019, section 3.3).
+
+For a query at position i and a key at position j, the scaled logit gains
+
+    u . k_j  +  (q_i + v) . (R_{i-j} W_kR)
+
+beside the content term q_i . k_j, where R is the sinusoidal encoding of the distance, W_kR a
+projection per layer, and u, v global biases shared by the layers (or one pair per layer, the
+"untied" setting of the TF scripts). The position term is computed once per (query,
+distance) pair and moved to (query, key) layout by `relative_shift`.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xformer.dropout import Dropout
+from xformer.layout import Layout
+from xformer.positional.absolute import sinusoidal_encoding
+from xformer.positional.base import PositionalScheme
+
+
+def relative_shift(x: jax.Array, k_len: int) -> jax.Array:
+    """[..., Lq, W] scores by (query, distance) -> [..., Lq, Lk] scores by (query, key).
+
+    Column c of x holds distance D - c, where D is the distance from the last query to the
+    first key. Output [i, j] = x[i, j + Lq-1 - i], which is the score of distance
+    (D - (Lq-1) + i) - j, the distance of query i to key j. Exact wherever j + Lq-1 - i < W:
+    with W = Lk + Lq - 1 everywhere, with W = Lk for every key at or before the query. One pad,
+    reshapes and a slice: no gather.
+    """
+    *batch, q_len, width = x.shape
+    x = jnp.pad(x, [(0, 0)] * len(batch) + [(0, 0), (0, 1)])  # row stride width + 1
+    flat = x.reshape(*batch, q_len * (width + 1))[..., q_len - 1 : q_len - 1 + q_len * width]
+    return flat.reshape(*batch, q_len, width)[..., :k_len]
+
+
+def relative_distances(layout: Layout) -> jax.Array:
+    """The distances that `relative_shift` expects, largest first: [W] int32."""
+    width = layout.k_len if layout.causal else layout.k_len + layout.q_len - 1
+    largest = layout.q_start + layout.q_len - 1 - layout.k_start
+    return largest - jnp.arange(width, dtype=jnp.int32)
+
+
+class XLRelativePositions(PositionalScheme):
+    def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
+        d = cfg.d_model
+        heads = (cfg.num_heads, d // cfg.num_heads)
+        self.d_model, (self.num_heads, self.head_dim) = d, heads
+        self.clamp_len = cfg.clamp_len
+        self.r_proj = nnx.List(
+            [nnx.Linear(d, d, use_bias=False, rngs=rngs) for _ in range(num_layers)]
+        )  # W_{k,R} per layer
+        init = nnx.initializers.normal(0.02)
+        self.untied = cfg.untie_relative_biases
+        shape = (num_layers, *heads) if self.untied else heads  # heads = (H, D)
+        self.u = nnx.Param(init(rngs.params(), shape))
+        self.v = nnx.Param(init(rngs.params(), shape))
+        self.dropout = Dropout(cfg.dropout, rngs=rngs)
+
+    def prepare(self, layout: Layout) -> jax.Array:
+        distances = relative_distances(layout)
+        if self.clamp_len > 0:
+            distances = jnp.clip(distances, -self.clamp_len, self.clamp_len)
+        return self.dropout(sinusoidal_encoding(distances, self.d_model))  # R [W, d]
+
+    def logit_bias(self, r, q, k, layout, layer):
+        heads = (self.num_heads, self.head_dim)
+        u, v = (p[layer] if self.untied else p[...] for p in (self.u, self.v))
+        rk = self.r_proj[layer](r).reshape(r.shape[0], *heads)
+        position = jnp.einsum("bqhd,whd->bhqw", q + v, rk)
+        content_bias = jnp.einsum("hd,bkhd->bhk", u, k)[:, :, None, :]
+        return (content_bias + relative_shift(position, layout.k_len)) / math.sqrt(self.head_dim)

@@ -1,0 +1,295 @@
+"""Config sweeps: a grid of dotted config overrides on one base config, run point by point.
+
+A sweep file (e.g. `configs/sweep_ptb_positional.py`) names a base config and returns its points:
+
+    from xformer import sweep
+
+    BASE = "configs/ptb_xl.py"  # relative to the repo root; "path:arg" passes arg to get_config
+
+    def get_sweep():
+        return sweep.product(
+            sweep.grid("model.positional", ["relative", "sinusoidal"]),
+            sweep.zip_({"train.seed": [0, 1], "train.learning_rate": [1e-3, 2e-3]}),
+        )
+
+A point is an ordered dict {dotted config key: value}. `grid` makes one point per value,
+`product` takes every combination of its axes (the last axis varies fastest) and `zip_` pairs
+its axes element by element (they must have equal lengths). An axis is a list of points; a dict
+{key: values} stands for one `grid` axis per key. Every point gets a readable,
+filesystem-safe name made from its overrides, e.g. `positional=sinusoidal,seed=1,lr=0.002`.
+
+`run` launches each point in `<root>/<name>`, one after the other, as the two commands
+
+    python train.py --config=<base> --config.<key>=<value> ... --workdir=<root>/<name>
+    python eval.py --workdir=<root>/<name>
+
+(the printed `python` is run as this interpreter, `sys.executable`). It skips points whose
+training and evaluation are finished, evaluates points whose training is finished, and resumes
+the others from their last checkpoint. Before anything runs, every point's config is built
+exactly as train.py will build it (same ml_collections override parsing) and validated.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import itertools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from xformer.config import validate
+from xformer.train_lib import DONE_FILE
+
+REPO = Path(__file__).resolve().parents[1]  # train.py, eval.py and configs/ live here
+Point = dict[str, Any]
+Axis = Sequence[Point] | Mapping[str, Sequence[Any]]
+
+
+# The grid ----------------------------------------------------------------------------------
+
+
+def grid(key: str, values: Sequence[Any]) -> list[Point]:
+    """One point {key: value} per value."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise TypeError(f"grid({key!r}, ...) needs a list of values, got {values!r}")
+    return [{key: value} for value in values]
+
+
+def _axes(axes: Sequence[Axis]) -> list[list[Point]]:
+    """Lists of points; a dict {key: values} stands for one grid per key."""
+    out = []
+    for axis in axes:
+        if isinstance(axis, Mapping):
+            out += [grid(key, values) for key, values in axis.items()]
+        else:
+            out.append([dict(point) for point in axis])
+    return out
+
+
+def _merge(points: Sequence[Point]) -> Point:
+    merged: Point = {}
+    for point in points:
+        for key, value in point.items():
+            if key in merged:
+                raise ValueError(f"{key!r} is set by more than one axis of the sweep")
+            merged[key] = value
+    return merged
+
+
+def product(*axes: Axis) -> list[Point]:
+    """Every combination of one point from each axis (the last axis varies fastest)."""
+    return [_merge(points) for points in itertools.product(*_axes(axes))]
+
+
+def zip_(*axes: Axis) -> list[Point]:
+    """The i-th points of all axes merged into one point; the axes must have equal lengths.
+    `zip_({"a": [1, 2], "b": [3, 4]})` is `[{"a": 1, "b": 3}, {"a": 2, "b": 4}]`."""
+    lists = _axes(axes)
+    if len({len(points) for points in lists}) > 1:
+        lengths = [len(points) for points in lists]
+        raise ValueError(f"zip_ needs axes of equal length, got lengths {lengths}")
+    return [_merge(points) for points in zip(*lists, strict=True)]
+
+
+# Names and command lines --------------------------------------------------------------------
+
+
+def format_value(value: Any) -> str:
+    """`value` as a --config.<key>= argument that ml_collections parses back to `value`."""
+    if isinstance(value, tuple | list):
+        return repr(tuple(value))  # ast.literal_eval'd by ml_collections' TupleParser
+    return str(value)  # floats print their shortest round-tripping repr
+
+
+def _name_value(value: Any) -> str:
+    if isinstance(value, tuple | list):
+        return "-".join(_name_value(v) for v in value) or "none"
+    return format_value(value)
+
+
+def _name(point: Point, full_keys: bool) -> str:
+    if not point:
+        return "base"
+    last = [key.rsplit(".", 1)[-1] for key in point]
+    parts = []
+    for key, short in zip(point, last, strict=True):
+        label = key if full_keys or last.count(short) > 1 else short
+        parts.append(f"{label}={_name_value(point[key])}")
+    name = re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(parts))
+    if len(name) > 200:  # stay well inside file-name limits
+        name = name[:183] + "," + hashlib.sha256(name.encode()).hexdigest()[:16]
+    return name
+
+
+def point_names(points: Sequence[Point]) -> list[str]:
+    """A unique, filesystem-safe name per point, e.g. `positional=relative,seed=1`: the last
+    component of each key (the full dotted key where two keys share it) and the value."""
+    for full_keys in (False, True):
+        names = [_name(point, full_keys) for point in points]
+        if len(set(names)) == len(names):
+            return names
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    raise ValueError(f"sweep points with the same name (repeated points?): {duplicates}")
+
+
+def config_args(point: Point) -> list[str]:
+    return [f"--config.{key}={format_value(value)}" for key, value in point.items()]
+
+
+# Sweep files and configs -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    base: str  # the base config as train.py's --config takes it, "path" or "path:arg"
+    points: list[Point]
+    names: list[str]
+
+    def workdir(self, root: str, name: str) -> str:
+        return os.path.join(root, name)
+
+
+def _resolve_base(base: str) -> str:
+    """The base config path relative to the current directory (BASE is relative to the repo
+    root), so printed commands work from here; absolute paths stay absolute."""
+    path, sep, arg = base.partition(":")
+    if not os.path.isabs(path):
+        path = os.path.relpath(REPO / path)
+    return path + sep + arg
+
+
+def load(path: str) -> Sweep:
+    """Read a sweep file: its BASE and the points returned by its get_sweep()."""
+    spec = importlib.util.spec_from_file_location(f"sweep_{Path(path).stem}", path)
+    if spec is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"sweep file {path!r} not found")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not isinstance(getattr(module, "BASE", None), str) or not hasattr(module, "get_sweep"):
+        raise ValueError(f"{path} must define BASE (a config path) and get_sweep()")
+    points = [dict(point) for point in module.get_sweep()]
+    if not points:
+        raise ValueError(f"{path}: get_sweep() returned no points")
+    return Sweep(base=_resolve_base(module.BASE), points=points, names=point_names(points))
+
+
+def _same(parsed: Any, wanted: Any) -> bool:
+    if isinstance(wanted, tuple | list):
+        return isinstance(parsed, tuple | list) and list(parsed) == list(wanted)
+    return parsed == wanted and isinstance(parsed, bool) == isinstance(wanted, bool)
+
+
+def point_config(base: str, point: Point) -> ml_collections.ConfigDict:
+    """The config train.py builds from `--config=<base>` and the point's overrides, parsed by
+    the same ml_collections flag machinery and validated; raises ValueError naming the key."""
+    argv = ["train.py", f"--config={base}", *config_args(point)]
+    flag_values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file(
+        "config", None, "Config file.", flag_values=flag_values, sys_argv=argv
+    )
+    try:
+        flag_values(argv)
+    except Exception as e:  # absl wraps unknown keys and unparsable values in several types
+        raise ValueError(f"{shlex.join(argv[1:])}: {e}") from e
+    config = holder.value
+    for key, value in point.items():
+        parsed = config[key.split(".")[0]]
+        for part in key.split(".")[1:]:
+            parsed = parsed[part]
+        if not _same(parsed, value):
+            raise ValueError(
+                f"--config.{key}={format_value(value)} parses to {parsed!r}, not {value!r}"
+            )
+    validate(config)
+    return config
+
+
+def commands(sweep: Sweep, root: str, name: str) -> tuple[list[str], list[str]]:
+    """The train.py and eval.py command lines of one point, for a shell in the current dir."""
+    point = sweep.points[sweep.names.index(name)]
+    workdir = sweep.workdir(root, name)
+    train = [
+        "python",
+        os.path.relpath(REPO / "train.py"),
+        f"--config={sweep.base}",
+        *config_args(point),
+        f"--workdir={workdir}",
+    ]
+    evaluate = ["python", os.path.relpath(REPO / "eval.py"), f"--workdir={workdir}"]
+    return train, evaluate
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def remaining(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
+    """What a point still needs: [] (finished), ["eval"] or ["train", "eval"]. Training is
+    finished when done.json says it reached config.train.num_steps or stopped at
+    max_train_seconds; evaluation when eval_<test split>.json scores that final step."""
+    done = _read_json(os.path.join(workdir, DONE_FILE))
+    if done is None or (
+        done["step"] < config.train.num_steps and done["reason"] != "max_train_seconds"
+    ):
+        return ["train", "eval"]
+    result = _read_json(os.path.join(workdir, f"eval_{config.data.test_split}.json"))
+    if result is None or result.get("step") != done["step"]:
+        return ["eval"]
+    return []
+
+
+def run(
+    sweep: Sweep,
+    root: str,
+    dry_run: bool = False,
+    echo: Callable[[str], None] | None = None,
+) -> dict[str, list[str]]:
+    """Validate every point, then run what each still needs, one point after the other.
+
+    Returns {name: steps run (or, with dry_run, to run): [], ["eval"] or ["train", "eval"]}.
+    A dry run prints every point's exact command lines and runs nothing. A failing command
+    stops its point; the other points still run, and RuntimeError names the failures at the end.
+    """
+    echo = echo or functools.partial(print, flush=True)  # before the commands' own output
+    configs = {}
+    for name, point in zip(sweep.names, sweep.points, strict=True):
+        try:
+            configs[name] = point_config(sweep.base, point)
+        except ValueError as e:
+            raise ValueError(f"sweep point {name!r}: {e}") from e
+    echo(f"# sweep of {len(sweep.points)} points on {sweep.base} in {root}")
+    todo, failed = {}, []
+    for i, name in enumerate(sweep.names, 1):
+        workdir = sweep.workdir(root, name)
+        todo[name] = remaining(workdir, configs[name])
+        train, evaluate = commands(sweep, root, name)
+        status = {0: "finished: skip", 1: "trained: eval", 2: "run"}[len(todo[name])]
+        echo(f"# [{i}/{len(sweep.names)}] {name}: {status}")
+        if dry_run:
+            echo(shlex.join(train))
+            echo(shlex.join(evaluate))
+            continue
+        for cmd in (train, evaluate)[2 - len(todo[name]) :]:
+            echo(shlex.join(cmd))
+            returncode = subprocess.run([sys.executable, *cmd[1:]], check=False).returncode
+            if returncode:
+                failed.append(f"{name} ({Path(cmd[1]).name} exited with {returncode})")
+                break
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(sweep.names)} sweep points failed: {failed}")
+    return todo
