@@ -60,7 +60,7 @@ class LMConfig:
 
 
 class LanguageModel(nnx.Module):
-    """tokens [B, L] -> next-token NLL [B, L], carrying a memory between segments (XL only)."""
+    """tokens [B, L] -> next-token NLL [B, L], carrying a memory between segments if given."""
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
