@@ -62,7 +62,8 @@ def test_tiny_model_overfits_real_pairs(multi30k_dir, tmp_path):
     assert float(loss) < 0.01
 
     expected = [tok.decode(row) for row in batch["tgt_out"]]  # batches are length-sorted
-    assert sorted(expected) == sorted(tgt_text)
+    # SentencePiece collapses runs of spaces (a few Multi30k lines have double spaces).
+    assert sorted(expected) == sorted(" ".join(t.split()) for t in tgt_text)
     model = nnx.merge(graphdef, params, rest)
     model.eval()
     src = jnp.asarray(batch["src"])
