@@ -50,7 +50,7 @@ def test_unknown_variants_and_override_keys_are_named():
     with pytest.raises(ValueError, match=r"unknown config variant 'vanila'; known: \['alibi'"):
         module.get_config("vanila")
     combined = module.get_config("vanilla,short")
-    assert combined.model.positional == "sinusoidal" and combined.train.num_steps == 900
+    assert combined.model.positional == "sinusoidal" and combined.train.num_steps == 750
     with pytest.raises(ValueError, match=r"unknown config key 'model.positionl'"):
         config_lib.override(module.get_config(), {"model.positionl": "rope"})
 

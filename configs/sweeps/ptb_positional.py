@@ -1,6 +1,6 @@
 """Sweep: positional schemes for the PTB language model, with and without a memory.
 
-Six points of `configs/ptb_xl.py:short` (900 steps, about 9 minutes each on the 2-core CPU):
+Six points of `configs/ptb_xl.py:short` (750 steps, about 8 minutes each on the 2-core CPU):
 Transformer-XL recurrence (memory 70) under the XL relative scheme, RoPE, the T5 bias, ALiBi and
 no positions, and the memoryless vanilla model with sinusoidal positions. They run one after the
 other in <workdir>/<point>; re-running skips finished points and resumes the rest:
