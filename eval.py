@@ -133,16 +133,16 @@ def compare(extra_workdirs: list[str]) -> None:
 def _restore(task) -> tuple[dict, object]:
     exp = task.exp
     state, _ = exp.checkpointer.restore(exp.abstract_state(task.init_carry()), _STEP.value)
-    return state, jax.device_put(exp.rest, exp.replicated)
+    return state, jax.device_put(exp.rng_state, exp.replicated)
 
 
 def evaluate_language_model(config, workdir: str) -> dict:
     split = _SPLIT.value or config.data.test_split
     task = make_task(config, workdir, train_if_missing=False)
     task.stream(split)  # read and encode before restoring, so bad data fails fast
-    state, rest = _restore(task)
+    state, rng_state = _restore(task)
     settings = EvalSettings.from_config(config)
-    result = task.score(state["params"], rest, split, settings, log_every_s=30)
+    result = task.score(state["params"], rng_state, split, settings, log_every_s=30)
     logging.info("%s at step %d: %s", split, int(state["step"]), task.summary(result))
     return {
         "name": split,
@@ -169,10 +169,10 @@ def evaluate_translation(config, workdir: str) -> dict:
         sources, references = split_text(config, name)
 
     task = make_task(config, workdir, train_if_missing=False)
-    state, rest = _restore(task)
+    state, rng_state = _restore(task)
     step = int(state["step"])
     start = time.time()
-    hyps = task.translator().translate(state["params"], rest, sources, log_every=5)
+    hyps = task.translator().translate(state["params"], rng_state, sources, log_every=5)
     seconds = time.time() - start
     assert len(hyps) == len(sources)
 

@@ -58,7 +58,7 @@ def tiny_config(tfds_dir, **overrides):
 
 def _params(task, seed=0):
     model = task.exp.make_model(nnx.Rngs(seed))
-    return nnx.state(model, nnx.Param), jax.device_put(task.exp.rest, task.exp.replicated)
+    return nnx.state(model, nnx.Param), jax.device_put(task.exp.rng_state, task.exp.replicated)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
@@ -66,11 +66,11 @@ def test_xl_score_equals_one_pass_over_each_row(tmp_path, tfds_dir, ptb, batch_s
     task = make_task(tiny_config(tfds_dir), str(tmp_path))
     stream = task.stream("valid")[:157]
     task._streams["short"] = stream
-    params, rest = _params(task)
+    params, rng_state = _params(task)
     settings = EvalSettings(batch_size, 10, mem_len=200, clamp_len=0)
-    result = task.score(params, rest, "short", settings)
+    result = task.score(params, rng_state, "short", settings)
 
-    model = nnx.merge(task.exp.eval_graphdef, params, task.exp.rest)
+    model = nnx.merge(task.exp.eval_graphdef, params, task.exp.rng_state)
     inputs = np.concatenate([[task.boundary_id], stream[:-1]])
     row_len = -(-len(stream) // batch_size)
     total = 0.0
@@ -90,12 +90,12 @@ def test_vanilla_sliding_window_equals_per_token_passes(tmp_path, tfds_dir, ptb)
     task = make_task(config, str(tmp_path))
     stream = task.stream("valid")[:41]
     task._streams["short"] = stream
-    params, rest = _params(task, seed=1)
+    params, rng_state = _params(task, seed=1)
     window = 8
     settings = EvalSettings(4, window, mem_len=0, clamp_len=0, sliding_stride=1)
-    result = task.score(params, rest, "short", settings)
+    result = task.score(params, rng_state, "short", settings)
 
-    model = nnx.merge(task.exp.eval_graphdef, params, task.exp.rest)
+    model = nnx.merge(task.exp.eval_graphdef, params, task.exp.rng_state)
     inputs = np.concatenate([[task.boundary_id], stream[:-1]])
     total = 0.0
     for t in range(len(stream)):
@@ -229,11 +229,11 @@ def test_train_step_draws_fresh_dropout_masks_every_step(tmp_path, tfds_dir, ptb
     state = task.exp.init_state(task.init_carry())
     batch = next(task.train_batches())
 
-    def loss(state, rest, step_no):
-        return train_step(task, {**state, "step": step_no}, rest, batch)[1]["loss_sum"]
+    def loss(state, rng_state, step_no):
+        return train_step(task, {**state, "step": step_no}, rng_state, batch)[1]["loss_sum"]
 
     step = jax.jit(loss)
-    a, again, b = (float(step(state, task.exp.rest, np.int32(i))) for i in (0, 0, 1))
+    a, again, b = (float(step(state, task.exp.rng_state, np.int32(i))) for i in (0, 0, 1))
     assert a == again
     assert abs(a - b) > 1e-5 * abs(a)  # at initialisation dropout moves the loss only a little
 

@@ -41,14 +41,14 @@ def test_tiny_model_overfits_real_pairs(multi30k_dir, tmp_path):
         dropout=0.0,
     )
     model = EncoderDecoder(cfg, rngs=nnx.Rngs(int(rng.integers(1e6))))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rng_state = nnx.split(model, nnx.Param, ...)
     tx = optax.adam(3e-3)
     opt_state = tx.init(params)
 
     @jax.jit
     def step(params, opt_state):
         def loss_fn(p):
-            m = nnx.merge(graphdef, p, rest)
+            m = nnx.merge(graphdef, p, rng_state)
             logits = m(batch["src"], batch["tgt_in"])
             loss, _ = cross_entropy(logits, batch["tgt_out"], batch["tgt_segments"] > 0)
             return loss / (batch["tgt_segments"] > 0).sum()
@@ -64,7 +64,7 @@ def test_tiny_model_overfits_real_pairs(multi30k_dir, tmp_path):
     expected = [tok.decode(row) for row in batch["tgt_out"]]  # batches are length-sorted
     # SentencePiece collapses runs of spaces (a few Multi30k lines have double spaces).
     assert sorted(expected) == sorted(" ".join(t.split()) for t in tgt_text)
-    model = nnx.merge(graphdef, params, rest)
+    model = nnx.merge(graphdef, params, rng_state)
     model.eval()
     src = jnp.asarray(batch["src"])
     max_len = batch["tgt_out"].shape[1] + 2

@@ -123,10 +123,10 @@ def test_no_gradient_reaches_the_previous_segment():
     model = LanguageModel(TINY, rngs=nnx.Rngs(8))
     tokens, targets = _tokens(9, (2, 8)), _tokens(10, (2, 8))
     params = nnx.state(model, nnx.Param)
-    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, _, rng_state = nnx.split(model, nnx.Param, ...)
 
     def second_segment_loss(p, frozen_memory=None):
-        m = nnx.merge(graphdef, p, rest)
+        m = nnx.merge(graphdef, p, rng_state)
         memory = m.init_memory(2, 4)
         _, memory = m(tokens[:, :4], targets[:, :4], memory)
         if frozen_memory is not None:
@@ -134,7 +134,7 @@ def test_no_gradient_reaches_the_previous_segment():
         nll, _ = m(tokens[:, 4:], targets[:, 4:], memory)
         return nll.sum()
 
-    m = nnx.merge(graphdef, params, rest)
+    m = nnx.merge(graphdef, params, rng_state)
     _, memory = m(tokens[:, :4], targets[:, :4], m.init_memory(2, 4))
     constant = jax.tree.map(np.asarray, memory)
     through = jax.grad(second_segment_loss)(params)

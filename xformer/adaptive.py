@@ -19,7 +19,7 @@ INIT = nnx.initializers.normal(0.02)
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ClusterLayout:
     """Static cluster layout; table g covers tokens table_ranges[g] with dimension dims[g]."""
 
     vocab_size: int
@@ -29,7 +29,9 @@ class Layout:
     table_ranges: tuple[tuple[int, int], ...]  # one per cluster, or one in all if div_val == 1
 
     @classmethod
-    def make(cls, vocab_size: int, d_embed: int, d_model: int, cutoffs, div_val: int) -> "Layout":
+    def make(
+        cls, vocab_size: int, d_embed: int, d_model: int, cutoffs, div_val: int
+    ) -> "ClusterLayout":
         edges = (0, *cutoffs, vocab_size)
         if any(a >= b for a, b in zip(edges, edges[1:], strict=False)):
             raise ValueError(f"cutoffs {cutoffs} must increase strictly within (0, {vocab_size})")
@@ -74,7 +76,9 @@ class AdaptiveEmbedding(nnx.Module):
         rngs: nnx.Rngs,
         init_std: float = 0.02,
     ):
-        self.layout = lay = Layout.make(vocab_size, d_embed, d_model, tuple(cutoffs), div_val)
+        self.layout = lay = ClusterLayout.make(
+            vocab_size, d_embed, d_model, tuple(cutoffs), div_val
+        )
         init = nnx.initializers.normal(init_std)
         self.tables = nnx.List([_param(rngs, n, d, init=init) for n, d in lay.table_shapes()])
         self.projs = nnx.List([_proj(rngs, d, d_model) for _, d in lay.table_shapes()])
@@ -113,7 +117,9 @@ class AdaptiveLogSoftmax(nnx.Module):
         tie_embedding: AdaptiveEmbedding | None = None,
         tie_projs: Sequence[bool] | None = None,
     ):
-        self.layout = lay = Layout.make(vocab_size, d_embed, d_model, tuple(cutoffs), div_val)
+        self.layout = lay = ClusterLayout.make(
+            vocab_size, d_embed, d_model, tuple(cutoffs), div_val
+        )
         n = len(lay.clusters)
         tie_projs = tuple(tie_projs) if tie_projs is not None else (False,) * n
         if len(tie_projs) != n:

@@ -31,7 +31,7 @@ class Experiment:
     model_cfg: Any  # the family's frozen model dataclass
     train_graphdef: nnx.GraphDef  # dropout active
     eval_graphdef: nnx.GraphDef  # deterministic
-    rest: nnx.State  # non-parameter model state (dropout RNG streams), reseeded every step
+    rng_state: nnx.State  # dropout RNG streams (all non-parameter state), re-keyed each step
     tx: optax.GradientTransformation
     checkpointer: Checkpointer
 
@@ -115,7 +115,7 @@ def setup(
     model.eval()
     eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     # Only the RNG-stream state is kept; under jit XLA drops the unused parameter init.
-    rest = jax.jit(
+    rng_state = jax.jit(
         lambda: nnx.state(model_cls(model_cfg, rngs=model_rngs(0)), nnx.Not(nnx.Param))
     )()
     return Experiment(
@@ -126,7 +126,7 @@ def setup(
         model_cfg=model_cfg,
         train_graphdef=train_graphdef,
         eval_graphdef=eval_graphdef,
-        rest=rest,
+        rng_state=rng_state,
         tx=make_optimizer(config.train),
         checkpointer=Checkpointer(workdir, config.train.keep_checkpoints),
     )

@@ -23,12 +23,12 @@ RUN_INFO_FILE = "run_info.json"  # written at the start of every train.py run
 DONE_FILE = "done.json"  # written when training reached num_steps or max_train_seconds
 
 
-def train_step(task, state: dict, rest: nnx.State, batch: dict) -> tuple[dict, dict]:
+def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[dict, dict]:
     """One optimizer step. Dropout keys derive from (seed, step); the task's carry (e.g. the
     Transformer-XL memory) flows from the previous step to the next through the state."""
     exp = task.exp
     key = jax.random.fold_in(jax.random.key(exp.config.train.seed), state["step"])
-    model = nnx.merge(exp.train_graphdef, state["params"], rest)
+    model = nnx.merge(exp.train_graphdef, state["params"], rng_state)
     nnx.reseed(model, dropout=key)
 
     def loss_fn(model):
@@ -84,7 +84,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         data_iter.set_state(data_state)
         logging.info("resumed from step %d", int(state["step"]))
     step = int(state["step"])
-    rest = jax.device_put(exp.rest, exp.replicated)
+    rng_state = jax.device_put(exp.rng_state, exp.replicated)
     done_path = os.path.join(workdir, DONE_FILE)
     if jax.process_index() == 0:
         info = {
@@ -105,7 +105,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     jit_step = jax.jit(functools.partial(train_step, task), donate_argnums=0)
     first = global_batch(next(data_iter))
-    compiled = jit_step.lower(state, rest, first).compile()
+    compiled = jit_step.lower(state, rng_state, first).compile()
     flops = (compiled.cost_analysis() or {}).get("flops", 0.0)
     logging.info("train step: %.2f GFLOP per step (XLA cost analysis)", flops / 1e9)
     lr_fn = learning_rate_schedule(t)
@@ -114,7 +114,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     interval_start, pending = time.time(), []
     batch, last_metrics, out_of_time = first, {}, False
     while step < t.num_steps:
-        state, metrics = compiled(state, rest, batch)
+        state, metrics = compiled(state, rng_state, batch)
         pending.append(metrics)
         step += 1
         elapsed = time.time() - start_time
@@ -166,7 +166,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             exp.checkpointer.save(step, state, data_state)
         if step % t.eval_every == 0 or done:
             eval_start = time.time()
-            val, summary = task.evaluate(state["params"], rest)
+            val, summary = task.evaluate(state["params"], rng_state)
             samples = val.pop("samples", None)
             writer.write(step, val, prefix=f"{config.data.eval_split}/")
             if samples:

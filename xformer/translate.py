@@ -43,8 +43,8 @@ class Translator:
         self.max_positions = model_cfg.max_len if model_cfg.positional == "learned" else None
         self._decode = jax.jit(functools.partial(self._decode_fn, graphdef), static_argnums=3)
 
-    def _decode_fn(self, graphdef, params, rest, src, max_len: int) -> jax.Array:
-        model = nnx.merge(graphdef, params, rest)
+    def _decode_fn(self, graphdef, params, rng_state, src, max_len: int) -> jax.Array:
+        model = nnx.merge(graphdef, params, rng_state)
         cache = model.init_decode_cache(src, max_len)
         step_fn = ban_tokens(model.decode_step, (PAD_ID, BOS_ID))
         b = src.shape[0]
@@ -56,7 +56,7 @@ class Translator:
         return tokens[:, 0]
 
     def translate(
-        self, params: nnx.State, rest: nnx.State, lines: list[str], log_every: int = 0
+        self, params: nnx.State, rng_state: nnx.State, lines: list[str], log_every: int = 0
     ) -> list[str]:
         """Translate `lines` with the given model parameters and non-parameter state."""
         ids = self.src_tok.encode(lines)
@@ -78,7 +78,7 @@ class Translator:
                 max_len = min(max_len, self.max_positions)
             src = pad_rows([ids[i] for i in batch], src_len, self.batch_size)
             src = jax.device_put(src, self.batch_sharding)
-            tokens = np.asarray(self._decode(params, rest, src, max_len))
+            tokens = np.asarray(self._decode(params, rng_state, src, max_len))
             for row, i in enumerate(batch):
                 out[i] = self.tgt_tok.decode(tokens[row]).replace("\n", " ")
             if log_every and (n + 1) % log_every == 0:

@@ -3,7 +3,7 @@
 A task exposes `exp` (the shared Experiment), `train_batches()` (a host-local batch iterator
 with get_state/set_state), `init_carry()` (state carried from step to step, e.g. an XL memory),
 `loss_terms(model, batch, carry) -> (loss_sum, sums, carry)` where sums holds "nll_sum",
-"tokens" (scored) and "input_tokens", and `evaluate(params, rest) -> (metrics, summary line)`.
+"tokens" (scored) and "input_tokens", and `evaluate(params, rng_state) -> (metrics, summary line)`.
 """
 
 import ml_collections

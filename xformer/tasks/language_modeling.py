@@ -180,8 +180,8 @@ class LanguageModelingTask:
 
     # Evaluation -------------------------------------------------------------------------------
 
-    def evaluate(self, params, rest) -> tuple[dict, str]:
-        result = self.score(params, rest, self.config.data.eval_split)
+    def evaluate(self, params, rng_state) -> tuple[dict, str]:
+        result = self.score(params, rng_state, self.config.data.eval_split)
         return result, self.summary(result)
 
     def summary(self, result: dict) -> str:
@@ -192,7 +192,7 @@ class LanguageModelingTask:
     def score(
         self,
         params,
-        rest,
+        rng_state,
         split: str,
         settings: EvalSettings | None = None,
         log_every_s: float = 0.0,
@@ -227,7 +227,7 @@ class LanguageModelingTask:
         start = last_log = time.time()
         for i, batch in enumerate(batches):
             batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-            *batch_sums, memory = step(params, rest, memory, batch)
+            *batch_sums, memory = step(params, rng_state, memory, batch)
             sums.append(batch_sums)
             if log_every_s and time.time() - last_log > log_every_s:
                 last_log = time.time()
@@ -263,10 +263,10 @@ def _boundary_id(vocab) -> int:
     return int(vocab.encode(" ")[0]) if " " in vocab.chars else 0
 
 
-def _eval_step(graphdef, params, rest, memory, batch: dict, *, score_last: int = 0):
+def _eval_step(graphdef, params, rng_state, memory, batch: dict, *, score_last: int = 0):
     """Summed NLL and token count of one batch, and the updated memory. With score_last > 0
     (sliding windows) only the last score_last positions of each row go through the softmax."""
-    model = nnx.merge(graphdef, params, rest)
+    model = nnx.merge(graphdef, params, rng_state)
     extra = {k: batch[k] for k in ("positions", "key_valid") if k in batch}
     memory = reset_memory(memory, batch["reset"]) if "reset" in batch else memory
     hidden, memory = model.hidden(batch["inputs"], memory, **extra)

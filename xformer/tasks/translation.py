@@ -122,11 +122,11 @@ class TranslationTask:
         loss_sum, sums = loss_terms(model, batch, self.config.train.label_smoothing)
         return loss_sum, sums, carry
 
-    def evaluate(self, params, rest) -> tuple[dict, str]:
+    def evaluate(self, params, rng_state) -> tuple[dict, str]:
         if self._evaluator is None:
             self._evaluator = Evaluator(self, self.config.data.eval_split)
-        val = self._evaluator.loss(params, rest)
-        bleu, hyps = self._evaluator.bleu(params, rest, self.config.eval.bleu_sentences)
+        val = self._evaluator.loss(params, rng_state)
+        bleu, hyps = self._evaluator.bleu(params, rng_state, self.config.eval.bleu_sentences)
         val.update(bleu=bleu["sacrebleu"], lc_tok_bleu=bleu["lc_tok_bleu"])
         summary = (
             f"nll {val['nll']:.3f} | ppl {val['perplexity']:.2f} | BLEU {val['bleu']:.2f} | "
@@ -135,8 +135,8 @@ class TranslationTask:
         return {**val, "samples": "\n\n".join(hyps[:5])}, summary
 
 
-def _eval_step(graphdef, params, rest, batch: dict) -> dict:
-    model = nnx.merge(graphdef, params, rest)
+def _eval_step(graphdef, params, rng_state, batch: dict) -> dict:
+    model = nnx.merge(graphdef, params, rng_state)
     _, sums = loss_terms(model, batch, 0.0)
     return sums
 
@@ -153,16 +153,16 @@ class Evaluator:
         self.translator = task.translator()
         self.target_lang = c.data.target_lang
 
-    def loss(self, params, rest) -> dict:
+    def loss(self, params, rng_state) -> dict:
         totals = None
         for batch in self.batches:
-            out = self._eval_step(params, rest, jax.device_put(batch, self.exp.batch_sharding))
+            out = self._eval_step(params, rng_state, jax.device_put(batch, self.exp.batch_sharding))
             totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
         nll = float(totals["nll_sum"] / totals["tokens"])
         return {"nll": nll, "perplexity": float(np.exp(nll))}
 
-    def bleu(self, params, rest, num_sentences: int = 0) -> tuple[dict, list[str]]:
+    def bleu(self, params, rng_state, num_sentences: int = 0) -> tuple[dict, list[str]]:
         n = num_sentences or len(self.src_lines)
-        hyps = self.translator.translate(params, rest, self.src_lines[:n])
+        hyps = self.translator.translate(params, rng_state, self.src_lines[:n])
         report = bleu_report(hyps, self.ref_lines[:n], self.target_lang)
         return report.as_dict(), hyps
