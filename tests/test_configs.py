@@ -38,9 +38,9 @@ VARIANTS = [(p, v) for p in CONFIGS for v in getattr(load(p), "VARIANTS", {})]
 @pytest.mark.parametrize("path,variant", VARIANTS, ids=lambda x: getattr(x, "stem", x))
 def test_config_variants_validate(path, variant):
     module = load(path)
-    base, varied = config_lib._flatten(module.get_config()), module.get_config(variant)
+    base, varied = config_lib.flatten(module.get_config()), module.get_config(variant)
     config_lib.validate(varied)
-    changed = {k for k, v in config_lib._flatten(varied).items() if base[k] != v}
+    changed = {k for k, v in config_lib.flatten(varied).items() if base[k] != v}
     assert changed and changed <= set(module.VARIANTS[variant])
     assert variant in module.__doc__
 

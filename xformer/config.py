@@ -4,6 +4,9 @@ Config files in configs/ start from `base_config()` and override values; `valida
 that are not in the schema and options that cannot work together, naming the key.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 import ml_collections
 
 from xformer.positional import SCHEMES
@@ -153,11 +156,12 @@ def with_variant(
     return config
 
 
-def _flatten(c: ml_collections.ConfigDict, prefix: str = "") -> dict:
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"model": {"d_model": 512}} or a ConfigDict -> {"model.d_model": 512} (dotted keys)."""
     out = {}
-    for key, value in c.items():
-        if isinstance(value, ml_collections.ConfigDict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+    for key, value in tree.items():
+        if isinstance(value, Mapping | ml_collections.ConfigDict):
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -165,7 +169,7 @@ def _flatten(c: ml_collections.ConfigDict, prefix: str = "") -> dict:
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raise ValueError naming the offending key before any data is read or compiled."""
-    schema, given = _flatten(base_config()), _flatten(config)
+    schema, given = flatten(base_config()), flatten(config)
     for key in given:
         if key not in schema:
             section = key.rsplit(".", 1)[0]
