@@ -70,7 +70,8 @@ def token_stream(args) -> tuple[np.ndarray, int, int, str]:
     if args.random_tokens:
         rng = np.random.default_rng(args.seed)
         return rng.integers(0, PTB_VOCAB, 100_000).astype(np.int32), 0, PTB_VOCAB, "random ids"
-    from xformer.data.lm_corpora import LM_CORPORA, read_corpus
+    from xformer.data.readers import read_corpus
+    from xformer.data.registry import LM_CORPORA
     from xformer.data.vocab import build_vocab
 
     try:

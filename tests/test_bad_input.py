@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from xformer import config as config_lib
-from xformer.data.sources import read_parallel_files, read_text_lines, translation_source
+from xformer.data.readers import translation_source
+from xformer.data.text import read_parallel_files, read_text_lines
 from xformer.experiment import save_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,5 @@
-"""Tests for xformer.data.sources and the Multi30k TFDS builder (no TensorFlow needed)."""
+"""Tests for translation_source (xformer.data.readers), the Multi30k TFDS builder and the strict
+text readers (xformer.data.text); no TensorFlow needed."""
 
 import gzip
 import pickle
@@ -7,14 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from xformer.data import multi30k, sources
-from xformer.data.sources import (
-    read_all,
-    read_parallel_files,
-    read_text_lines,
-    resolve_manual_dir,
-    translation_source,
-)
+from xformer.data import raw_files, readers
+from xformer.data.builders import multi30k
+from xformer.data.readers import read_all, translation_source
+from xformer.data.text import read_parallel_files, read_text_lines
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MULTI30K_DIR = REPO_ROOT.parent / "shared" / "data" / "multi30k"
@@ -42,7 +39,7 @@ def multi30k_data_dir(tmp_path_factory) -> str:
     return data_dir
 
 
-def _source(data_dir: str, split: str) -> sources.TranslationSource:
+def _source(data_dir: str, split: str) -> readers.TranslationSource:
     return translation_source("multi30k", split, data_dir=data_dir, manual_dir=str(MULTI30K_DIR))
 
 
@@ -174,8 +171,8 @@ def test_offline_without_local_copy_explains_where_files_go(tmp_path, monkeypatc
     def no_network(*args, **kwargs):
         raise OSError("no network in this test")
 
-    monkeypatch.setattr(multi30k.socket, "getaddrinfo", no_network)
-    monkeypatch.setattr(multi30k.urllib.request, "getproxies", dict)
+    monkeypatch.setattr(raw_files.socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(raw_files.urllib.request, "getproxies", dict)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(RuntimeError) as info:
@@ -199,7 +196,7 @@ def _fake_download(monkeypatch, files: dict[str, Path]) -> list:
         requested.append(dict(urls))
         return {name: files[name] for name in urls}
 
-    monkeypatch.setattr(multi30k.socket, "getaddrinfo", lambda *a, **k: [])
+    monkeypatch.setattr(raw_files.socket, "getaddrinfo", lambda *a, **k: [])
     monkeypatch.setattr(tfds.download.DownloadManager, "download", download)
     return requested
 
@@ -229,20 +226,6 @@ def test_download_with_wrong_checksum_fails(tmp_path, monkeypatch):
         translation_source(
             "multi30k", "val", data_dir=str(tmp_path / "tfds"), manual_dir=str(tmp_path / "none")
         )
-
-
-# --------------------------------------------------------------------------- manual dir
-
-
-def test_resolve_manual_dir_order(tmp_path, monkeypatch):
-    monkeypatch.setenv("XFORMER_DATA_DIR", str(tmp_path))
-    assert resolve_manual_dir("multi30k", "/explicit/dir") == "/explicit/dir"
-    assert resolve_manual_dir("multi30k", None) == str(tmp_path / "multi30k")
-    assert resolve_manual_dir("wmt14_translate/de-en", None) == str(tmp_path / "wmt14_translate")
-    monkeypatch.delenv("XFORMER_DATA_DIR")
-    assert resolve_manual_dir("no_such_dataset_here", None) is None
-    expected = str(MULTI30K_DIR.resolve()) if MULTI30K_DIR.is_dir() else None
-    assert resolve_manual_dir("multi30k", None) == expected
 
 
 # --------------------------------------------------------------------------- text files

@@ -1,6 +1,7 @@
-"""Tests for the language-modelling corpora (xformer.data.lm_corpora) and vocabularies."""
+"""Tests for the language-modelling corpora (read_corpus, the LM builders) and vocabularies."""
 
 import gzip
+import hashlib
 import io
 import tarfile
 import zipfile
@@ -9,15 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xformer.data import lm_corpora
-from xformer.data.lm_corpora import (
-    CHUNK_BYTES,
-    LM_CORPORA,
-    corpus_info,
-    prepare_corpus,
-    read_corpus,
-    stream_split_bounds,
-)
+from xformer.data import checksums, raw_files
+from xformer.data.builders.byte_streams import CHUNK_BYTES, stream_split_bounds
+from xformer.data.readers import prepare_corpus, read_corpus
+from xformer.data.registry import LM_CORPORA, corpus_info
 from xformer.data.vocab import EOS, UNK, ByteVocab, CharVocab, WordVocab, build_vocab
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -64,8 +60,8 @@ def _no_network(monkeypatch) -> None:
     def fail(*args, **kwargs):
         raise OSError("no network in this test")
 
-    monkeypatch.setattr(lm_corpora.socket, "getaddrinfo", fail)
-    monkeypatch.setattr(lm_corpora.urllib.request, "getproxies", dict)
+    monkeypatch.setattr(raw_files.socket, "getaddrinfo", fail)
+    monkeypatch.setattr(raw_files.urllib.request, "getproxies", dict)
 
 
 # --------------------------------------------------------------------------- registry
@@ -278,8 +274,8 @@ def _write_archive(path: Path, files: dict[str, bytes]) -> Path:
     return path
 
 
-def _official_archives(root: Path) -> dict[str, Path]:
-    """Tiny archives laid out like the official downloads, by URL."""
+def _official_members() -> dict[str, dict[str, bytes]]:
+    """The files of tiny archives laid out like the official downloads, by URL."""
     splits = ("train", "valid", "test")
     ptb = {}
     for s in splits:
@@ -292,7 +288,7 @@ def _official_archives(root: Path) -> dict[str, Path]:
         "training-monolingual.tokenized.shuffled/news.en-00002-of-00100": b"Another one .\n",
         "heldout-monolingual.tokenized.shuffled/news.en.heldout-00000-of-00050": b"Held out .\n",
     }
-    archives = {
+    return {
         URLS["ptb"]: ptb,
         URLS["wikitext2"]: {f"wikitext-2/wiki.{s}.tokens": t for s, t in wiki.items()},
         URLS["wikitext103"]: {f"wikitext-103/wiki.{s}.tokens": t for s, t in wiki.items()},
@@ -300,24 +296,43 @@ def _official_archives(root: Path) -> dict[str, Path]:
         URLS["text8"]: {"text8": b" anarchism originated" * 20},
         URLS["lm1b"]: {f"{LM1B_TOP}/{name}": data for name, data in lm1b.items()},
     }
+
+
+def _official_archives(root: Path) -> dict[str, Path]:
+    """Tiny archives laid out like the official downloads, by URL."""
     return {
-        url: _write_archive(root / url.rsplit("/", 1)[-1], files) for url, files in archives.items()
+        url: _write_archive(root / url.rsplit("/", 1)[-1], files)
+        for url, files in _official_members().items()
     }
 
 
-@pytest.mark.parametrize("name", list(LM_CORPORA))
-def test_download_uses_official_url_and_archive_layout(name, tmp_path, monkeypatch):
+def _fake_download(monkeypatch, archives: dict[str, Path]) -> list[str]:
+    """Makes the TFDS download manager 'download' the given archives; returns the URLs asked."""
     import tensorflow_datasets as tfds
 
-    archives = _official_archives(tmp_path / "upstream")
     requested = []
 
     def download(self, url):
         requested.append(url)
         return archives[url]
 
-    monkeypatch.setattr(lm_corpora.socket, "getaddrinfo", lambda *a, **k: [])
+    monkeypatch.setattr(raw_files.socket, "getaddrinfo", lambda *a, **k: [])
     monkeypatch.setattr(tfds.download.DownloadManager, "download", download)
+    return requested
+
+
+def _accept_tiny_archives(monkeypatch, name: str) -> None:
+    """Records the digests of the tiny archives' files as the upstream ones of ``name``."""
+    members = _official_members()[URLS[name]]
+    digests = {Path(m).name: hashlib.sha256(data).hexdigest() for m, data in members.items()}
+    recorded = checksums.SHA256.get(name, {})
+    monkeypatch.setitem(checksums.SHA256, name, {f: digests[f] for f in recorded})
+
+
+@pytest.mark.parametrize("name", list(LM_CORPORA))
+def test_download_uses_official_url_and_archive_layout(name, tmp_path, monkeypatch):
+    requested = _fake_download(monkeypatch, _official_archives(tmp_path / "upstream"))
+    _accept_tiny_archives(monkeypatch, name)
     split = corpus_info(name).splits[-1]
     data_dir = str(tmp_path / "tfds")
     got = read_corpus(name, split, data_dir=data_dir, manual_dir=str(tmp_path / "none"))
@@ -339,11 +354,29 @@ def test_download_uses_official_url_and_archive_layout(name, tmp_path, monkeypat
         assert not [p for p in (tmp_path / "tfds" / "downloads").rglob("*") if p.is_file()]
 
 
+def test_downloaded_file_that_differs_from_upstream_is_an_error(tmp_path, monkeypatch):
+    _fake_download(monkeypatch, _official_archives(tmp_path / "upstream"))  # not upstream text
+    with pytest.raises(ValueError, match=r"ptb\.train\.txt in .*simple-examples\.tgz") as info:
+        read_corpus(
+            "ptb", "valid", data_dir=str(tmp_path / "tfds"), manual_dir=str(tmp_path / "no")
+        )
+    message = str(info.value)
+    assert f"downloaded from {URLS['ptb']}" in message
+    assert checksums.SHA256["ptb"]["ptb.train.txt"] in message
+
+
+def test_lm1b_url_is_the_catalog_one():
+    # The TFDS catalog's checksum file checks the lm1b download by this URL.
+    from tensorflow_datasets.datasets.lm1b import lm1b_dataset_builder as tfds_lm1b
+
+    assert corpus_info("lm1b").raw.url == tfds_lm1b._DOWNLOAD_URL == URLS["lm1b"]
+
+
 def test_lm1b_from_manual_dir(tmp_path, monkeypatch):
     _no_network(monkeypatch)
     archive = _official_archives(tmp_path / "upstream")[URLS["lm1b"]]
     manual = tmp_path / "lm1b"
-    lm_corpora.extract(archive, manual)  # the extracted folder
+    raw_files.extract(archive, manual)  # the extracted folder
     got = read_corpus("lm1b", "test", data_dir=str(tmp_path / "tfds"), manual_dir=str(manual))
     assert got == ["Held out ."]
 

@@ -7,7 +7,7 @@ metric and its step, and the test value from eval.py's eval_<config.data.test_sp
 
 Metrics: BLEU for translation (sacreBLEU, and the lowercased tokenized BLEU of Multi30k papers;
 higher is better), perplexity for word-level and bits per character for character-level
-language models (`CorpusInfo.metric`; lower is better). Runs of different families or metrics
+language models (`DatasetEntry.metric`; lower is better). Runs of different families or metrics
 cannot be compared.
 
 Training wall time is the sum over the train rows of metrics.jsonl of (steps in the row's
@@ -98,7 +98,7 @@ class Run:
             return BLEU
         if self.test is not None and "metric" in self.test:
             return (LM_METRICS[self.test["metric"]],)
-        from xformer.data.lm_corpora import corpus_info  # a TFDS import: only when needed
+        from xformer.data.registry import corpus_info
 
         return (LM_METRICS[corpus_info(self.config["data.dataset"]).metric],)
 

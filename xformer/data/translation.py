@@ -4,7 +4,7 @@ import os
 
 import ml_collections
 
-from xformer.data.sources import read_all, translation_source
+from xformer.data.readers import read_all, translation_source
 from xformer.data.tokenizer import Tokenizer, cached_tokenizer
 
 

@@ -2,7 +2,8 @@
 
 ::
 
-    from xformer.data.lm_corpora import corpus_info, read_corpus
+    from xformer.data.readers import read_corpus
+    from xformer.data.registry import corpus_info
     from xformer.data.vocab import build_vocab
 
     info = corpus_info("ptb")
@@ -30,8 +31,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # (importing lm_corpora would load TFDS)
-    from xformer.data.lm_corpora import CorpusInfo
+if TYPE_CHECKING:
+    from xformer.data.registry import DatasetEntry
 
 EOS = "<eos>"
 UNK = "<unk>"
@@ -226,7 +227,7 @@ class CharVocab:
 Vocab = WordVocab | ByteVocab | CharVocab
 
 
-def build_vocab(info: CorpusInfo, train_data: Sequence[str] | bytes, max_size: int = 0) -> Vocab:
+def build_vocab(info: DatasetEntry, train_data: Sequence[str] | bytes, max_size: int = 0) -> Vocab:
     """Builds the vocabulary of a corpus from its training split (see ``read_corpus``).
 
     ``max_size`` (word vocabularies only, 0 = all) keeps the most frequent tokens.

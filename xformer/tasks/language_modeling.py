@@ -21,8 +21,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xformer import experiment as experiment_lib
-from xformer.data.lm_corpora import LM_CORPORA, read_corpus
 from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
+from xformer.data.readers import read_corpus
+from xformer.data.registry import LM_CORPORA
 from xformer.data.vocab import ByteVocab, CharVocab, WordVocab, build_vocab
 from xformer.language_model import LanguageModel, LMConfig, reset_memory
 
