@@ -64,8 +64,6 @@ def packed_train_dataset(
     max_length: int,
     seed: int,
     num_packing_bins: int = 0,
-    repeat: bool = True,
-    shuffle: bool = True,
 ) -> grain.IterDataset:
     """Shuffled (reshuffled every epoch), packed batches of this process's share of `pairs`.
 
@@ -81,20 +79,16 @@ def packed_train_dataset(
         raise ValueError(f"no training pair fits data.max_train_length={max_length}")
     ds = grain.MapDataset.source(keep)
     ds = ds[jax.process_index() :: jax.process_count()]
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    if repeat:
-        ds = ds.repeat()
-    ds = ds.map(lambda i: _example(pairs.src[i], pairs.tgt[i]))
+    ds = ds.shuffle(seed=seed).repeat().map(lambda i: _example(pairs.src[i], pairs.tgt[i]))
     lengths = {"src": max_length, "tgt_in": max_length, "tgt_out": max_length}
     packed = grain_exp.FirstFitPackIterDataset(
         ds.to_iter_dataset(),
         length_struct=lengths,
         num_packing_bins=num_packing_bins or 4 * batch_size,
         seed=seed,
-        shuffle_bins=shuffle,
+        shuffle_bins=True,
     )
-    return packed.batch(batch_size, drop_remainder=repeat).map(_rename_packed)
+    return packed.batch(batch_size, drop_remainder=True).map(_rename_packed)
 
 
 def bucket_length(n: int, multiple: int = 16) -> int:
