@@ -1,6 +1,7 @@
 """Run comparison on hand-written workdirs: best validation per metric direction (BLEU up,
-perplexity down), training time across a resume, differing config columns, workdir expansion
-(globs, commas inside sweep point names) and refusal to mix families or metrics."""
+perplexity down), the logged training time (after a resume; unknown in older workdirs),
+differing config columns, workdir expansion (globs, commas inside sweep point names) and refusal
+to mix families or metrics."""
 
 import csv
 import io
@@ -27,8 +28,18 @@ def make_run(directory: Path, config, rows, test=None, num_params=None, done_ste
     return str(directory)
 
 
-def train_row(step, steps_per_s, tokens_per_s=100.0):
-    return {"step": step, "train/steps_per_s": steps_per_s, "train/tokens_per_s": tokens_per_s}
+def train_row(step, seconds, tokens_per_s=100.0):
+    return {
+        "step": step,
+        "train/steps_per_s": 10.0,
+        "train/tokens_per_s": tokens_per_s,
+        "train/train_seconds": seconds,
+    }
+
+
+def val_row(step, seconds, split="val", **metrics):
+    row = {f"{split}/{name}": value for name, value in metrics.items()}
+    return {"step": step, "train/train_seconds": seconds, **row}
 
 
 def translation_config(**train):
@@ -39,10 +50,13 @@ def translation_config(**train):
 
 
 def test_translation_best_bleu_is_the_highest(tmp_path):
-    rows_a = [train_row(50, 10.0), train_row(100, 10.0)]
-    rows_a += [{"step": 100, "val/bleu": 10.0, "val/lc_tok_bleu": 12.0}]
-    rows_a += [train_row(150, 10.0), {"step": 150, "val/bleu": 30.0, "val/lc_tok_bleu": 29.0}]
-    rows_a += [train_row(200, 10.0), {"step": 200, "val/bleu": 20.0, "val/lc_tok_bleu": 33.0}]
+    rows_a = [
+        train_row(50, 5.0),
+        train_row(100, 10.0),
+        val_row(100, 10.0, bleu=10.0, lc_tok_bleu=12.0),
+    ]
+    rows_a += [train_row(150, 15.0), val_row(150, 15.0, bleu=30.0, lc_tok_bleu=29.0)]
+    rows_a += [train_row(200, 20.0), val_row(200, 20.0, bleu=20.0, lc_tok_bleu=33.0)]
     a = make_run(
         tmp_path / "a",
         translation_config(),
@@ -54,7 +68,7 @@ def test_translation_best_bleu_is_the_highest(tmp_path):
     b = make_run(
         tmp_path / "b",
         translation_config(learning_rate=1e-3),
-        [train_row(50, 5.0, 50.0), {"step": 50, "val/bleu": 1.0, "val/lc_tok_bleu": 2.0}],
+        [train_row(50, 10.0, 50.0), val_row(50, 10.0, bleu=1.0, lc_tok_bleu=2.0)],
     )
     result = compare.compare([a, b])
     assert result.differing == ["train.learning_rate"]
@@ -82,36 +96,39 @@ def test_translation_best_bleu_is_the_highest(tmp_path):
     assert (out / "compare.md").read_text() == markdown
 
 
-def test_language_model_best_is_the_lowest_and_time_counts_a_resume(tmp_path):
+def test_language_model_best_is_the_lowest_and_time_is_the_last_logged(tmp_path):
     c = lm_base_config("ptb")
     c.train.log_every = 50
-    rows = [train_row(50, 10.0), train_row(100, 10.0), {"step": 100, "valid/perplexity": 300.0}]
-    # killed after logging step 150; resumed from the step-100 checkpoint, redoing 101..150
-    rows += [train_row(150, 10.0)]
-    rows += [train_row(150, 5.0), train_row(200, 10.0), {"step": 200, "valid/perplexity": 250.0}]
-    rows += [train_row(220, 10.0), {"step": 220, "valid/perplexity": 260.0}]  # max_train_seconds
-    rows += [train_row(250, 10.0)]  # resumed from the step-220 checkpoint: 30 steps
+
+    def valid(step, seconds, perplexity):
+        return val_row(step, seconds, split="valid", perplexity=perplexity)
+
+    rows = [train_row(50, 5.0), train_row(100, 10.0), valid(100, 10.0, 300.0)]
+    # killed after logging step 150; resumed from the step-100 checkpoint (10 s), redoing 101..150
+    rows += [train_row(150, 15.0)]
+    rows += [train_row(150, 17.0), train_row(200, 22.0), valid(200, 22.0, 250.0)]
+    rows += [train_row(220, 24.0), valid(220, 24.0, 260.0)]  # stopped at max_train_seconds
+    rows += [train_row(250, 27.0)]  # resumed from the step-220 checkpoint
     run = make_run(
         tmp_path / "xl", c, rows, test={"step": 220, "metric": "perplexity", "perplexity": 255.0}
     )
     other = lm_base_config("ptb")
     other.model.mem_len = 10
     other.train.log_every = 50
-    run2 = make_run(tmp_path / "xl2", other, [{"step": 100, "valid/perplexity": 200.0}])
+    old = [{"step": 100, "train/steps_per_s": 10.0}, {"step": 100, "valid/perplexity": 200.0}]
+    run2 = make_run(tmp_path / "xl2", other, old)  # written before train_seconds was logged
     result = compare.compare([run, run2])
     assert [m.name for m in result.metrics] == ["perplexity"]
     row = dict(zip(result.columns, result.rows[0], strict=True))
     assert row["best_valid_perplexity"] == 250.0 and row["best_valid_perplexity_step"] == 200
     assert row["test_perplexity"] == 255.0
-    assert row["train_seconds"] == pytest.approx(5 + 5 + 5 + 10 + 5 + 2 + 3)
-    # validation curve: training seconds at each validation step
+    assert row["train_seconds"] == 27.0
     curve = compare.Run.load(run).curve(result.metrics[0])
-    assert [(s, round(t, 6), v) for s, t, v in curve] == [
-        (100, 10.0, 300.0),
-        (200, 30.0, 250.0),
-        (220, 32.0, 260.0),
-    ]
+    assert curve == [(100, 10.0, 300.0), (200, 22.0, 250.0), (220, 24.0, 260.0)]
     assert dict(zip(result.columns, result.rows[1], strict=True))["train_seconds"] is None
+    assert compare.Run.load(run2).curve(result.metrics[0]) == [(100, None, 200.0)]
+    paths = compare.write(result, str(tmp_path / "out"))  # the old run only in the step plot
+    assert Path(paths["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_mixed_families_or_metrics_are_refused(tmp_path):

@@ -363,9 +363,11 @@ def test_compare_the_two_runs(swept):
         test = json.loads((root / name / "eval_test.json").read_text())
         assert float(row["test_perplexity"]) == test["perplexity"]
         assert int(row["steps"]) == 3
-        # log_every=1: one step per train row
+        logged = [m["train/train_seconds"] for m in metrics if "train/train_seconds" in m]
+        assert float(row["train_seconds"]) == logged[-1] and logged == sorted(logged)
+        # log_every=1: each train row's interval is one step of training time
         seconds = sum(1 / m["train/steps_per_s"] for m in train)
-        assert float(row["train_seconds"]) == pytest.approx(seconds, rel=1e-9)
+        assert train[-1]["train/train_seconds"] == pytest.approx(seconds, rel=1e-9)
         tokens = statistics.median(m["train/tokens_per_s"] for m in train)
         assert float(row["median_tokens_per_s"]) == pytest.approx(tokens, rel=1e-12)
     markdown = (root / "compare.md").read_text()

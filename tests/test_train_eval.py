@@ -1,5 +1,6 @@
-"""train.py / eval.py end to end on real Multi30k with a tiny model: resume after a kill,
-one output line per input, and the same run on 4 simulated devices."""
+"""train.py / eval.py end to end on real Multi30k with a tiny model: resume after a kill (same
+losses, training seconds carried on), one output line per input, and the same run on 4
+simulated devices; a checkpoint from before the "progress" item still restores."""
 
 import json
 import os
@@ -9,8 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+
+from xformer.checkpoint import Checkpointer
+from xformer.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -54,10 +60,10 @@ def train_cmd(workdir, tfds_dir, *extra):
     ]
 
 
-def train_losses(workdir) -> dict[int, float]:
-    with open(Path(workdir) / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+def train_metric(workdir, name="loss") -> dict[int, float]:
+    """{step: train/<name>}; after a resume, a step's last row (the resumed run's)."""
+    rows = read_jsonl(str(Path(workdir) / "metrics.jsonl"))
+    return {r["step"]: r[f"train/{name}"] for r in rows if "train/loss" in r}
 
 
 def checkpoint_steps(workdir) -> list[int]:
@@ -117,9 +123,12 @@ def test_kill_resume_then_eval(tmp_path, tfds_dir, multi30k_dir):
         )
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
-    ref_losses, got = train_losses(tmp_path / "ref"), train_losses(workdir)
+    ref_losses, got = train_metric(tmp_path / "ref"), train_metric(workdir)
     for step in range(killed_at + 1, target + 1):
         assert got[step] == pytest.approx(ref_losses[step], rel=1e-5)
+    # Training seconds go on from the checkpoint's: they grow step by step across the resume.
+    seconds = train_metric(workdir, "train_seconds")  # the killed run may have logged past target
+    assert 0 < seconds[1] and all(seconds[s] < seconds[s + 1] for s in range(1, target))
 
     # eval.py on a file with an empty line, odd Unicode and a very long line.
     src = tmp_path / "in.en"
@@ -160,7 +169,7 @@ def test_four_simulated_devices_match_one(tmp_path, tfds_dir, multi30k_dir):
     )
     assert four.returncode == 0, four.stderr[-3000:]
     assert "CpuDevice(id=3)" in four.stderr
-    l1, l4 = train_losses(tmp_path / "one"), train_losses(tmp_path / "four")
+    l1, l4 = train_metric(tmp_path / "one"), train_metric(tmp_path / "four")
     np.testing.assert_allclose([l4[s] for s in (1, 2, 3)], [l1[s] for s in (1, 2, 3)], rtol=1e-4)
     result = run(
         ["eval.py", f"--workdir={tmp_path / 'four'}", "--split=test_2017_mscoco", "--beam_size=2"],
@@ -168,3 +177,19 @@ def test_four_simulated_devices_match_one(tmp_path, tfds_dir, multi30k_dir):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout)["sentences"] == 461
+
+
+def test_checkpoint_from_before_progress_restores(tmp_path):
+    """A checkpoint without the "progress" item (written before it existed) still restores."""
+    state = {"step": jnp.array(7), "w": jnp.ones(3)}
+    old = ocp.CheckpointManager(tmp_path / "checkpoints", item_names=("state", "data"))
+    args = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave({"epoch": 1})}
+    old.save(7, args=ocp.args.Composite(**args))
+    old.close()
+    checkpointer = Checkpointer(str(tmp_path))
+    restored, data = checkpointer.restore(state)
+    assert int(restored["step"]) == 7 and data == {"epoch": 1}
+    assert checkpointer.progress() == {}
+    checkpointer.save(8, state, data, {"train_seconds": 1.5})
+    checkpointer.close()
+    assert Checkpointer(str(tmp_path)).progress() == {"train_seconds": 1.5}

@@ -9,33 +9,42 @@ import orbax.checkpoint as ocp
 class Checkpointer:
     """Keeps the last `keep` checkpoints under <workdir>/checkpoints.
 
-    Each holds "state" (any pytree of arrays: params, optimizer state, step, RNG) and "data"
-    (the JSON state of the training data iterator, so a resumed run sees the same batches).
+    Each holds "state" (any pytree of arrays: params, optimizer state, step, RNG), "data" (the
+    JSON state of the training data iterator, so a resumed run sees the same batches) and
+    "progress" (JSON, e.g. the training seconds so far; absent from older checkpoints).
     """
 
     def __init__(self, workdir: str, keep: int = 2):
         self.manager = ocp.CheckpointManager(
             os.path.join(os.path.abspath(workdir), "checkpoints"),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-            item_names=("state", "data"),
+            item_names=("state", "data", "progress"),
         )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, data_state: dict | None = None) -> None:
+    def save(
+        self, step: int, state, data_state: dict | None = None, progress: dict | None = None
+    ) -> None:
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {})
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(data_state or {}),
+                progress=ocp.args.JsonSave(progress or {}),
             ),
         )
 
-    def restore(self, target, step: int | None = None) -> tuple[object, dict]:
-        """Restore onto `target` (a pytree of arrays or ShapeDtypeStructs with shardings)."""
+    def _step(self, step: int | None) -> int:
         step = self.manager.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
+        return step
+
+    def restore(self, target, step: int | None = None) -> tuple[object, dict]:
+        """Restore onto `target` (a pytree of arrays or ShapeDtypeStructs with shardings)."""
+        step = self._step(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         restored = self.manager.restore(
             step,
@@ -45,8 +54,16 @@ class Checkpointer:
         )
         return restored["state"], restored["data"]
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def progress(self, step: int | None = None) -> dict:
+        """The checkpoint's "progress" item; {} for checkpoints written before it existed."""
+        step = self._step(step)
+        if not (self.manager.directory / str(step) / "progress").exists():
+            return {}
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(progress=ocp.args.JsonRestore())
+        )
+        return restored["progress"]
 
     def close(self) -> None:
+        """Wait for the last save to finish, then release the manager."""
         self.manager.close()

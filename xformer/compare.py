@@ -10,11 +10,8 @@ higher is better), perplexity for word-level and bits per character for characte
 language models (`DatasetEntry.metric`; lower is better). Runs of different families or metrics
 cannot be compared.
 
-Training wall time is the sum over the train rows of metrics.jsonl of (steps in the row's
-interval) / train/steps_per_s, so evaluation, compilation and start-up are excluded and steps
-repeated after a resume count again. A row's interval starts at the previous train row or at the
-multiple of train.log_every below it, whichever is later; this is exact except after a resume
-from a checkpoint that is not a multiple of log_every (up to log_every steps counted too many).
+Training wall time is the train/train_seconds that train.py logs (compilation, start-up,
+evaluation and checkpoints excluded; continued across resumes); unknown for older workdirs.
 """
 
 import csv
@@ -28,6 +25,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from xformer.config import flatten
+from xformer.files import read_json, read_json_if_present, read_jsonl
+from xformer.timing import format_duration
 from xformer.train_lib import DONE_FILE, RUN_INFO_FILE
 
 
@@ -38,26 +38,13 @@ class Metric:
     higher_is_better: bool
 
 
+TRAIN_SECONDS = "train/train_seconds"  # in train and validation rows of metrics.jsonl
+
 BLEU = (Metric("bleu", "sacrebleu", True), Metric("lc_tok_bleu", "lc_tok_bleu", True))
 LM_METRICS = {
     "perplexity": Metric("perplexity", "perplexity", False),
     "bpc": Metric("bpc", "bpc", False),
 }
-
-
-def _read_json(path: str) -> Any:
-    with open(path) as f:
-        return json.load(f)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 @dataclasses.dataclass
@@ -76,15 +63,11 @@ class Run:
         path = os.path.join(workdir, "config.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} not found: is {workdir!r} a train.py workdir?")
-        config = _flatten(_read_json(path))
-        rows = []
-        if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-            with open(os.path.join(workdir, "metrics.jsonl")) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
+        config = flatten(read_json(path))
+        rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
         def optional(name):
-            path = os.path.join(workdir, name)
-            return _read_json(path) if os.path.exists(path) else None
+            return read_json_if_present(os.path.join(workdir, name))
 
         test = optional(f"eval_{config['data.test_split']}.json")
         return cls(workdir, config, rows, optional(RUN_INFO_FILE), optional(DONE_FILE), test)
@@ -111,32 +94,21 @@ class Run:
             return int(self.done["step"])
         return max((int(r["step"]) for r in self.rows), default=None)
 
-    def timeline(self) -> list[tuple[dict, float]]:
-        """Every metrics.jsonl row with the training seconds spent up to it (see the module
-        docstring); a validation row between log steps extrapolates at the last rate."""
-        log_every = int(self.config["train.log_every"])
-        out, seconds, last_step, rate = [], 0.0, 0, None
-        for row in self.rows:
-            step = int(row["step"])
-            if "train/steps_per_s" in row:
-                start = (step - 1) // log_every * log_every
-                if last_step < step:
-                    start = max(start, last_step)
-                rate = row["train/steps_per_s"]
-                seconds += (step - start) / rate
-                last_step = step
-                out.append((row, seconds))
-            else:
-                out.append((row, seconds + (max(step - last_step, 0) / rate if rate else 0.0)))
-        return out
+    def train_median(self, name: str) -> float | None:
+        """The median of train/<name> over the train rows (None: never logged)."""
+        values = [r[f"train/{name}"] for r in self.train_rows if f"train/{name}" in r]
+        return statistics.median(values) if values else None
 
-    def curve(self, metric: Metric) -> list[tuple[int, float, float]]:
-        """(step, training seconds so far, value) of every validation row."""
+    def curve(self, metric: Metric) -> list[tuple[int, float | None, float]]:
+        """(step, training seconds so far or None if not logged, value) per validation row."""
         key = f"{self.config['data.eval_split']}/{metric.name}"
-        return [(int(r["step"]), t, float(r[key])) for r, t in self.timeline() if key in r]
+        return [
+            (int(r["step"]), r.get(TRAIN_SECONDS), float(r[key])) for r in self.rows if key in r
+        ]
 
     def train_seconds(self) -> float | None:
-        times = [t for r, t in self.timeline() if "train/steps_per_s" in r]
+        """The last logged training seconds (None: not logged, e.g. an older workdir)."""
+        times = [r[TRAIN_SECONDS] for r in self.rows if TRAIN_SECONDS in r]
         return times[-1] if times else None
 
 
@@ -219,15 +191,13 @@ def compare(workdirs: Sequence[str]) -> Comparison:
         columns += [f"best_{val}_{m.name}", f"best_{val}_{m.name}_step", f"{test}_{m.name}"]
     rows = []
     for name, run in zip(names, runs, strict=True):
-        train_rows = run.train_rows
-        tokens = [r["train/tokens_per_s"] for r in train_rows if "train/tokens_per_s" in r]
         row = [
             name,
             *(run.config.get(k) for k in differing),
             run.run_info["num_params"] if run.run_info else None,
             run.steps(),
             run.train_seconds(),
-            statistics.median(tokens) if tokens else None,
+            run.train_median("tokens_per_s"),
         ]
         for m in metrics:
             curve = run.curve(m)
@@ -248,10 +218,7 @@ def _cell(value: Any, column: str, config_column: bool) -> str:
     if config_column:
         return json.dumps(value) if isinstance(value, list) else str(value)
     if column == "train_seconds":
-        if value < 60:
-            return f"{value:.1f}s"
-        s = int(round(value))
-        return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+        return format_duration(value)
     if isinstance(value, bool) or column in ("run", "steps") or column.endswith("_step"):
         return str(value)
     if isinstance(value, int):
@@ -300,20 +267,20 @@ def plot(comparison: Comparison, path: str) -> None:
 
     metric = comparison.metrics[0]
     curves = [run.curve(metric) for run in comparison.runs]
-    longest = max((c[-1][1] for c in curves if c), default=0.0)
+    longest = max((t for c in curves for _, t, _ in c if t is not None), default=0.0)
     scale, unit = (60.0, "min") if longest > 120 else (1.0, "s")
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, curve in zip(comparison.names, curves, strict=True):
-        if curve:
-            steps, seconds, values = zip(*curve, strict=True)
-            by_step.plot(steps, values, marker="o", markersize=3, label=name)
-            by_time.plot([s / scale for s in seconds], values, marker="o", markersize=3, label=name)
+        timed = [(t / scale, value) for _, t, value in curve if t is not None]
+        for ax, points in ((by_step, [(s, value) for s, _, value in curve]), (by_time, timed)):
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=name)
     split = comparison.runs[0].config["data.eval_split"]
     for ax, xlabel in ((by_step, "step"), (by_time, f"training wall time ({unit})")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{split} {metric.name}")
         ax.grid(alpha=0.3)
-    by_time.legend(fontsize="small")
+    by_step.legend(fontsize="small")  # every run has steps; older runs lack times
     fig.suptitle(
         f"{split} {metric.name} ({'higher' if metric.higher_is_better else 'lower'} is better)"
     )

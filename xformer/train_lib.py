@@ -1,8 +1,6 @@
 """The training loop: jit-compiled data-parallel steps, metrics, evaluation, checkpoints."""
 
 import functools
-import hashlib
-import json
 import os
 import time
 
@@ -15,9 +13,11 @@ from absl import logging
 from flax import nnx
 
 from xformer import experiment as experiment_lib
+from xformer.files import write_json
 from xformer.metric_writer import MetricWriter
 from xformer.optim import learning_rate_schedule
 from xformer.tasks import make_task
+from xformer.timing import TrainClock, format_duration
 
 RUN_INFO_FILE = "run_info.json"  # written at the start of every train.py run
 DONE_FILE = "done.json"  # written when training reached num_steps or max_train_seconds
@@ -53,22 +53,6 @@ def count_params(params) -> int:
     return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
 
 
-def config_hash(config: ml_collections.ConfigDict) -> str:
-    return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _write_json(path: str, obj: dict) -> None:
-    """Atomically (write, then rename): readers such as the sweep runner never see half a file."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2, default=float)
-    os.replace(path + ".tmp", path)
-
-
-def _format_eta(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Train (resuming from the workdir's last checkpoint) and return final validation metrics."""
     task = make_task(config, workdir)
@@ -78,9 +62,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     data_iter = task.train_batches()
 
-    state = exp.init_state(task.init_carry())
+    state, progress = exp.init_state(task.init_carry()), {}
     if exp.checkpointer.latest_step() is not None:
         state, data_state = exp.checkpointer.restore(state)
+        progress = exp.checkpointer.progress()
         data_iter.set_state(data_state)
         logging.info("resumed from step %d", int(state["step"]))
     step = int(state["step"])
@@ -92,11 +77,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             "devices": jax.device_count(),
             "processes": jax.process_count(),
             "platform": jax.devices()[0].platform,
-            "config_hash": config_hash(config),
             "start_step": step,
             "start_time": time.time(),
         }
-        _write_json(os.path.join(workdir, RUN_INFO_FILE), info)
+        write_json(os.path.join(workdir, RUN_INFO_FILE), info)
         if step < t.num_steps and os.path.exists(done_path):
             os.remove(done_path)  # training further: the old marker is stale
 
@@ -110,8 +94,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     logging.info("train step: %.2f GFLOP per step (XLA cost analysis)", flops / 1e9)
     lr_fn = learning_rate_schedule(t)
 
-    start_time, start_step = time.time(), step
-    interval_start, pending = time.time(), []
+    # Training seconds, cumulative across resumes: compilation, start-up, metric writing,
+    # checkpoints and evaluation excluded.
+    interval_start = float(progress.get("train_seconds", 0.0))
+    clock = TrainClock(interval_start)
+    start_time, start_step, pending = time.time(), step, []
     batch, last_metrics, out_of_time = first, {}, False
     while step < t.num_steps:
         state, metrics = compiled(state, rng_state, batch)
@@ -128,7 +115,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
         if step % t.log_every == 0 or done:
             sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)  # waits for the device
-            dt = time.time() - interval_start
+            train_seconds = clock.seconds()
+            dt = train_seconds - interval_start
             elapsed = time.time() - start_time  # dispatch runs ahead; time it after the sync
             steps_per_s = len(pending) / dt
             rate = (step - start_step) / elapsed
@@ -145,47 +133,55 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 "tokens_per_s": sums["input_tokens"] / dt,
                 "target_tokens_per_s": sums["tokens"] / dt,
                 "gflop_per_s": flops * steps_per_s / 1e9,
+                "train_seconds": train_seconds,
             }
-            writer.write(step, last_metrics, prefix="train/")
-            logging.info(
-                "step %d/%d | loss %.3f | ppl %.1f | lr %.2e | %.2f steps/s | %.0f tok/s | "
-                "%.1f GFLOP/s | ETA %s",
-                step,
-                t.num_steps,
-                last_metrics["loss"],
-                last_metrics["perplexity"],
-                last_metrics["learning_rate"],
-                steps_per_s,
-                last_metrics["tokens_per_s"],
-                last_metrics["gflop_per_s"],
-                _format_eta(remaining),
-            )
-            interval_start, pending = time.time(), []
+            with clock.paused():
+                writer.write(step, last_metrics, prefix="train/")
+                logging.info(
+                    "step %d/%d | loss %.3f | ppl %.1f | lr %.2e | %.2f steps/s | %.0f tok/s | "
+                    "%.1f GFLOP/s | ETA %s",
+                    step,
+                    t.num_steps,
+                    last_metrics["loss"],
+                    last_metrics["perplexity"],
+                    last_metrics["learning_rate"],
+                    steps_per_s,
+                    last_metrics["tokens_per_s"],
+                    last_metrics["gflop_per_s"],
+                    format_duration(remaining),
+                )
+            interval_start, pending = train_seconds, []
 
+        eval_due = step % t.eval_every == 0 or done
+        if checkpoint_due or eval_due:
+            jax.block_until_ready(state)  # the steps so far count as training time
         if checkpoint_due:
-            exp.checkpointer.save(step, state, data_state)
-        if step % t.eval_every == 0 or done:
-            eval_start = time.time()
-            val, summary = task.evaluate(state["params"], rng_state)
-            samples = val.pop("samples", None)
-            writer.write(step, val, prefix=f"{config.data.eval_split}/")
-            if samples:
-                writer.write_text(step, "samples", samples)
-            logging.info(
-                "eval %s at step %d: %s (%.0fs)",
-                config.data.eval_split,
-                step,
-                summary,
-                time.time() - eval_start,
-            )
+            with clock.paused():
+                progress = {"train_seconds": clock.seconds()}
+                exp.checkpointer.save(step, state, data_state, progress)
+        if eval_due:
+            with clock.paused():
+                eval_start = time.time()
+                val, summary = task.evaluate(state["params"], rng_state)
+                samples = val.pop("samples", None)
+                val_row = {f"{config.data.eval_split}/{k}": v for k, v in val.items()}
+                writer.write(step, {**val_row, "train/train_seconds": clock.seconds()})
+                if samples:
+                    writer.write_text(step, "samples", samples)
+                logging.info(
+                    "eval %s at step %d: %s (%.0fs)",
+                    config.data.eval_split,
+                    step,
+                    summary,
+                    time.time() - eval_start,
+                )
             last_metrics = {**last_metrics, **{f"val_{k}": v for k, v in val.items()}}
-            interval_start += time.time() - eval_start  # keep eval time out of steps/s
         if done:
             break
-    exp.checkpointer.wait()
+    exp.checkpointer.close()
     writer.close()
     ran = step > start_step or not os.path.exists(done_path)  # keep the marker of a finished run
     if jax.process_index() == 0 and (step >= t.num_steps or out_of_time) and ran:
         reason = "num_steps" if step >= t.num_steps else "max_train_seconds"
-        _write_json(done_path, {"step": step, "reason": reason, "metrics": last_metrics})
+        write_json(done_path, {"step": step, "reason": reason, "metrics": last_metrics})
     return {"step": step, **last_metrics}
