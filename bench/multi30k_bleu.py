@@ -10,21 +10,18 @@ achieved GFLOP/s (XLA cost analysis) against that ceiling. Extra flags go to tra
 import argparse
 import json
 import os
-import subprocess
+import statistics
 import sys
 import time
 
-import numpy as np
+from xformer import launch
+from xformer.compare import Run
+from xformer.files import write_json
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from matmul_ceiling import matmul_gflops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(cmd: list[str]) -> None:
-    print("$ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
 
 
 def main() -> None:
@@ -36,35 +33,27 @@ def main() -> None:
 
     ceiling_before = matmul_gflops()
     train_cmd = [
-        sys.executable,
+        "python",
         "train.py",
         f"--config={args.config}",
         f"--workdir={args.workdir}",
         *extra,
     ]
-    eval_cmd = [sys.executable, "eval.py", f"--workdir={args.workdir}", f"--split={args.split}"]
+    eval_cmd = ["python", "eval.py", f"--workdir={args.workdir}", f"--split={args.split}"]
     start = time.time()
-    run(train_cmd)
+    launch.run(train_cmd, cwd=ROOT, check=True)
     train_seconds = time.time() - start
-    run(eval_cmd)
+    result = launch.run_json(eval_cmd, cwd=ROOT)
     ceiling_after = matmul_gflops()
 
-    with open(os.path.join(ROOT, args.workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    train_rows = [r for r in rows if "train/tokens_per_s" in r]
-    with open(os.path.join(ROOT, args.workdir, f"eval_{args.split}.json")) as f:
-        result = json.load(f)
-    ceiling = float(np.median([ceiling_before, ceiling_after]))
-    gflops = float(np.median([r["train/gflop_per_s"] for r in train_rows]))
+    run = Run.load(os.path.join(ROOT, args.workdir))
+    ceiling = statistics.median([ceiling_before, ceiling_after])
+    gflops = run.train_median("gflop_per_s")
     summary = {
-        "steps": train_rows[-1]["step"],
+        "steps": run.train_rows[-1]["step"],
         "train_wall_minutes": round(train_seconds / 60, 1),
-        "tokens_per_s_median": round(
-            float(np.median([r["train/tokens_per_s"] for r in train_rows]))
-        ),
-        "target_tokens_per_s_median": round(
-            float(np.median([r["train/target_tokens_per_s"] for r in train_rows]))
-        ),
+        "tokens_per_s_median": round(run.train_median("tokens_per_s")),
+        "target_tokens_per_s_median": round(run.train_median("target_tokens_per_s")),
         "train_step_gflop_per_s_median": round(gflops, 1),
         "matmul_ceiling_gflop_per_s": [round(ceiling_before, 1), round(ceiling_after, 1)],
         "fraction_of_ceiling": round(gflops / ceiling, 3),
@@ -74,8 +63,7 @@ def main() -> None:
         "commands": [" ".join(train_cmd[1:]), " ".join(eval_cmd[1:])],
     }
     print(json.dumps(summary, indent=2))
-    with open(os.path.join(ROOT, args.workdir, "bench_summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    write_json(os.path.join(ROOT, args.workdir, "bench_summary.json"), summary)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ of context). A finished training run (done.json in its workdir) is not repeated.
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
+
+from xformer import launch
+from xformer.compare import Run
+from xformer.files import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 XL_EVAL = {  # name -> eval.py flags; all at the training segment length
@@ -25,22 +27,12 @@ XL_EVAL = {  # name -> eval.py flags; all at the training segment length
 }
 
 
-def run(cmd: list[str], log: str, stdout: str | None = None) -> None:
-    """Run `python cmd`; stderr (and stdout, unless given a file) go to `log`."""
-    full = [sys.executable, *cmd]
-    print(f"$ {' '.join(full)}", flush=True)
-    with open(log, "w") as err, open(stdout or os.devnull, "w") as out:
-        if subprocess.run(full, cwd=ROOT, stdout=out if stdout else err, stderr=err).returncode:
-            raise SystemExit(f"{' '.join(cmd)} failed; see {log}")
-
-
 def evaluate(workdir: str, split: str, flags: list[str], tag: str) -> dict:
-    """eval.py's printed JSON (parallel evaluations of one workdir would race on its file)."""
-    result = os.path.join(ROOT, workdir, f"eval_{split}_{tag}.json")
-    log = os.path.join(ROOT, workdir, f"eval_{split}_{tag}.log")
-    run(["eval.py", f"--workdir={workdir}", f"--split={split}", *flags], log, stdout=result)
-    with open(result) as f:
-        return json.load(f)
+    """eval.py's printed JSON, kept as eval_<split>_<tag>.json (eval.py's own file,
+    eval_<split>.json, is the same for every tag)."""
+    cmd = ["python", "eval.py", f"--workdir={workdir}", f"--split={split}", *flags]
+    out = os.path.join(ROOT, workdir, f"eval_{split}_{tag}")
+    return launch.run_json(cmd, cwd=ROOT, log=out + ".log", save=out + ".json")
 
 
 def main() -> None:
@@ -59,7 +51,8 @@ def main() -> None:
         start = time.time()
         if not args.skip_training and not os.path.exists(os.path.join(ROOT, workdir, "done.json")):
             log = os.path.join(ROOT, args.workdir, f"train_{name}.log")
-            run(["train.py", f"--config={config}", f"--workdir={workdir}"], log)
+            cmd = ["python", "train.py", f"--config={config}", f"--workdir={workdir}"]
+            launch.run(cmd, cwd=ROOT, log=log, check=True)
         train_minutes[name] = round((time.time() - start) / 60, 1)
 
     valid = {
@@ -74,14 +67,10 @@ def main() -> None:
     }
 
     def train_summary(workdir):
-        with open(os.path.join(ROOT, workdir, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
-        train_rows = [r for r in rows if "train/tokens_per_s" in r]
+        run = Run.load(os.path.join(ROOT, workdir))
         return {
-            "steps": train_rows[-1]["step"],
-            "tokens_per_s_median": round(
-                sorted(r["train/tokens_per_s"] for r in train_rows)[len(train_rows) // 2]
-            ),
+            "steps": run.train_rows[-1]["step"],
+            "tokens_per_s_median": round(run.train_median("tokens_per_s")),
         }
 
     summary = {
@@ -101,8 +90,7 @@ def main() -> None:
         ],
     }
     print(json.dumps(summary, indent=2))
-    with open(os.path.join(ROOT, args.workdir, "bench_summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    write_json(os.path.join(ROOT, args.workdir, "bench_summary.json"), summary)
 
 
 if __name__ == "__main__":

@@ -30,16 +30,12 @@ exactly as train.py will build it (same ml_collections override parsing) and val
 """
 
 import dataclasses
-import functools
 import hashlib
 import importlib.util
 import itertools
-import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +44,9 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from xformer import launch
 from xformer.config import validate
+from xformer.files import read_json_if_present
 from xformer.train_lib import DONE_FILE
 
 REPO = Path(__file__).resolve().parents[1]  # train.py, eval.py and configs/ live here
@@ -230,24 +228,16 @@ def commands(sweep: Sweep, root: str, name: str) -> tuple[list[str], list[str]]:
     return train, evaluate
 
 
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def remaining(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
     """What a point still needs: [] (finished), ["eval"] or ["train", "eval"]. Training is
     finished when done.json says it reached config.train.num_steps or stopped at
     max_train_seconds; evaluation when eval_<test split>.json scores that final step."""
-    done = _read_json(os.path.join(workdir, DONE_FILE))
+    done = read_json_if_present(os.path.join(workdir, DONE_FILE))
     if done is None or (
         done["step"] < config.train.num_steps and done["reason"] != "max_train_seconds"
     ):
         return ["train", "eval"]
-    result = _read_json(os.path.join(workdir, f"eval_{config.data.test_split}.json"))
+    result = read_json_if_present(os.path.join(workdir, f"eval_{config.data.test_split}.json"))
     if result is None or result.get("step") != done["step"]:
         return ["eval"]
     return []
@@ -265,7 +255,7 @@ def run(
     A dry run prints every point's exact command lines and runs nothing. A failing command
     stops its point; the other points still run, and RuntimeError names the failures at the end.
     """
-    echo = echo or functools.partial(print, flush=True)  # before the commands' own output
+    echo = echo or launch.print_now
     configs = {}
     for name, point in zip(sweep.names, sweep.points, strict=True):
         try:
@@ -285,8 +275,7 @@ def run(
             echo(shlex.join(evaluate))
             continue
         for cmd in (train, evaluate)[2 - len(todo[name]) :]:
-            echo(shlex.join(cmd))
-            returncode = subprocess.run([sys.executable, *cmd[1:]], check=False).returncode
+            returncode = launch.run(cmd, echo=echo).returncode
             if returncode:
                 failed.append(f"{name} ({Path(cmd[1]).name} exited with {returncode})")
                 break
