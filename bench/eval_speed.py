@@ -15,7 +15,7 @@ prediction sees exactly A tokens of context (the token it is conditioned on and 
 - Transformer-XL: relative positions with a memory of mem_len = A states per layer and
   the same_length mask (every query attends to exactly A keys), scoring segments of S tokens
   (`--segment_length`; S = A when A < S) one after another with the memory carried
-  (`eval_segments`, eval.py's jitted `_eval_step` with the memory as an argument).
+  (`eval_segments`, eval.py's jitted `eval_step` with the memory as an argument).
 
 Both models have the same size (d_model, heads, layers, d_ff of configs/ptb_xl.py unless
 overridden) and the PTB vocabulary (10,000 types), with random untrained parameters: the cost
@@ -52,7 +52,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from xformer.data.lm_stream import eval_segments, sliding_windows  # noqa: E402
 from xformer.language_model import LanguageModel  # noqa: E402
-from xformer.tasks.language_modeling import _eval_step, lm_config  # noqa: E402
+from xformer.model_config import from_config  # noqa: E402
+from xformer.tasks.language_modeling import eval_step  # noqa: E402
 
 PAPER_SPEEDUP = {3800: 1874, 2800: 1409, 1800: 773, 800: 363}  # Dai et al. (2019), Table 9
 PTB_VOCAB = 10_000
@@ -112,7 +113,7 @@ def measure(length: int, args, xl_base, vanilla_model, stream, boundary_id) -> d
     seg = min(args.segment_length, length)
 
     # Vanilla: B windows (one scored token each) per batch; batch 0 warms up.
-    v_graphdef, v_params, v_rest = vanilla_model
+    v_graphdef, v_params, v_rng_state = vanilla_model
     v_batches_per_repeat = -(-args.vanilla_tokens // b)
     v_tokens = b * (1 + repeats * v_batches_per_repeat)
     v_batches = list(sliding_windows(tokens_for(stream, v_tokens), b, length, 1, boundary_id))
@@ -120,26 +121,26 @@ def measure(length: int, args, xl_base, vanilla_model, stream, boundary_id) -> d
         if batch["weights"][:, :-1].any():
             raise AssertionError("stride 1 windows must score only their last position")
     v_batches = [jax.device_put(batch) for batch in v_batches]
-    last = 1 if args.vanilla_softmax == "last" else 0
+    last = 1 if args.vanilla_softmax == "last" else None
     v_step = jax.jit(
-        lambda p, r, batch: _eval_step(v_graphdef, p, r, None, batch, score_last=last)[:2]
+        lambda p, r, batch: eval_step(v_graphdef, p, r, None, batch, score_last=last)[:2]
     )
 
     # Transformer-XL: B rows of `seg` tokens per segment, memory of `length` states.
-    xl_cfg = dataclasses.replace(xl_base, mask="same_length")
+    xl_cfg = dataclasses.replace(xl_base, decoder_mask="same_length")
     xl_model = make_model(xl_cfg)
     memory = xl_model.init_memory(b, length)
-    x_graphdef, x_params, x_rest = nnx.split(xl_model, nnx.Param, ...)
+    x_graphdef, x_params, x_rng_state = nnx.split(xl_model, nnx.Param, ...)
     x_batches_per_repeat = -(-args.xl_tokens // (b * seg))
     x_tokens = b * seg * (1 + repeats * x_batches_per_repeat)
     x_batches = eval_segments(tokens_for(stream, x_tokens), b, seg, boundary_id)
     assert len(x_batches) == 1 + repeats * x_batches_per_repeat
     x_batches = [jax.device_put(batch) for batch in x_batches]
-    x_step = jax.jit(functools.partial(_eval_step, x_graphdef))
+    x_step = jax.jit(functools.partial(eval_step, x_graphdef))
     outputs = {"vanilla": [], "xl": []}
 
     def run_vanilla(batches):
-        out = [v_step(v_params, v_rest, batch) for batch in batches]
+        out = [v_step(v_params, v_rng_state, batch) for batch in batches]
         outputs["vanilla"].extend(out)
         return out
 
@@ -147,7 +148,7 @@ def measure(length: int, args, xl_base, vanilla_model, stream, boundary_id) -> d
         nonlocal memory
         out = []
         for batch in batches:
-            *sums, memory = x_step(x_params, x_rest, memory, batch)
+            *sums, memory = x_step(x_params, x_rng_state, memory, batch)
             out.append(sums)
         outputs["xl"].extend(out)
         return out, memory
@@ -221,7 +222,7 @@ def main() -> None:
     for flag, key in overrides.items():
         if getattr(args, flag) is not None:
             m[key] = getattr(args, flag)
-    base = lm_config(config, vocab_size)
+    base = from_config(config.model, vocab_size=vocab_size)
     xl_base = dataclasses.replace(base, positional="relative")
     vanilla = make_model(dataclasses.replace(base, positional="sinusoidal"))
     vanilla_model = nnx.split(vanilla, nnx.Param, ...)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from xformer.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+from xformer.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax, ClusterLayout
 
 V = 50
 CUTOFFS = (10, 25, 40)
@@ -26,7 +26,7 @@ def _randomize(module: nnx.Module, scale: float = 0.5) -> None:
 
 
 def _softmax_module(d_embed, d_model, cutoffs, div_val) -> AdaptiveLogSoftmax:
-    sm = AdaptiveLogSoftmax(V, d_embed, d_model, cutoffs, div_val, rngs=_rngs())
+    sm = AdaptiveLogSoftmax(ClusterLayout.make(V, d_embed, d_model, cutoffs, div_val), rngs=_rngs())
     _randomize(sm)
     return sm
 
@@ -143,7 +143,7 @@ def test_probabilities_match_a_by_hand_numpy_reference(div_val, d_model):
     "div_val, d_embed, d_model", [(1, 16, 16), (1, 16, 12), (2, 16, 12), (4, 64, 64)]
 )
 def test_embedding_matches_a_per_token_loop(div_val, d_embed, d_model):
-    emb = AdaptiveEmbedding(V, d_embed, d_model, CUTOFFS, div_val, rngs=_rngs())
+    emb = AdaptiveEmbedding(ClusterLayout.make(V, d_embed, d_model, CUTOFFS, div_val), rngs=_rngs())
     _randomize(emb)
     tables, projs = [_np(t) for t in emb.tables], [_np(p) for p in emb.projs]
     tokens = _targets(CUTOFFS)
@@ -163,13 +163,9 @@ class _LM(nnx.Module):
     """Adaptive embedding in, adaptive softmax out: the smallest model that uses tying."""
 
     def __init__(self, tie: bool, div_val: int, *, rngs: nnx.Rngs):
-        self.embed = AdaptiveEmbedding(V, 16, 12, CUTOFFS, div_val, rngs=rngs)
+        self.embed = AdaptiveEmbedding(ClusterLayout.make(V, 16, 12, CUTOFFS, div_val), rngs=rngs)
         self.out = AdaptiveLogSoftmax(
-            V,
-            16,
-            12,
-            CUTOFFS,
-            div_val,
+            ClusterLayout.make(V, 16, 12, CUTOFFS, div_val),
             rngs=rngs,
             tie_embedding=self.embed if tie else None,
             tie_projs=(False, True, True, True) if tie else None,
@@ -254,18 +250,25 @@ def test_jit_traces_once_with_static_shapes():
 )
 def test_bad_layouts_raise(cutoffs, div_val, d_embed):
     with pytest.raises(ValueError):
-        AdaptiveEmbedding(V, d_embed, 16, cutoffs, div_val, rngs=_rngs())
+        AdaptiveEmbedding(ClusterLayout.make(V, d_embed, 16, cutoffs, div_val), rngs=_rngs())
     with pytest.raises(ValueError):
-        AdaptiveLogSoftmax(V, d_embed, 16, cutoffs, div_val, rngs=_rngs())
+        AdaptiveLogSoftmax(ClusterLayout.make(V, d_embed, 16, cutoffs, div_val), rngs=_rngs())
 
 
 def test_tying_needs_a_matching_embedding():
-    emb = AdaptiveEmbedding(V, 16, 12, CUTOFFS, 2, rngs=_rngs())
-    with pytest.raises(ValueError):
-        AdaptiveLogSoftmax(V, 16, 12, CUTOFFS, 1, rngs=_rngs(), tie_embedding=emb)
-    with pytest.raises(ValueError):
-        AdaptiveLogSoftmax(V, 16, 12, CUTOFFS, 2, rngs=_rngs(), tie_projs=(True,) * 4)
+    emb = AdaptiveEmbedding(ClusterLayout.make(V, 16, 12, CUTOFFS, 2), rngs=_rngs())
     with pytest.raises(ValueError):
         AdaptiveLogSoftmax(
-            V, 16, 12, CUTOFFS, 2, rngs=_rngs(), tie_embedding=emb, tie_projs=(True,)
+            ClusterLayout.make(V, 16, 12, CUTOFFS, 1), rngs=_rngs(), tie_embedding=emb
+        )
+    with pytest.raises(ValueError):
+        AdaptiveLogSoftmax(
+            ClusterLayout.make(V, 16, 12, CUTOFFS, 2), rngs=_rngs(), tie_projs=(True,) * 4
+        )
+    with pytest.raises(ValueError):
+        AdaptiveLogSoftmax(
+            ClusterLayout.make(V, 16, 12, CUTOFFS, 2),
+            rngs=_rngs(),
+            tie_embedding=emb,
+            tie_projs=(True,),
         )

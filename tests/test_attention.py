@@ -91,7 +91,9 @@ def tiny_model(seed: int, **overrides) -> EncoderDecoder:
 def test_no_information_from_future_or_padding(pre_norm, positional):
     """Perturbing future target tokens or padded source tokens leaves earlier logits unchanged."""
     rng = np.random.default_rng()
-    model = tiny_model(int(rng.integers(1e6)), pre_norm=pre_norm, positional=positional)
+    model = tiny_model(
+        int(rng.integers(1e6)), layer_norm="pre" if pre_norm else "post", positional=positional
+    )
     src = rng.integers(4, 40, (2, 9))
     src[:, 6:] = 0  # padding
     tgt = rng.integers(4, 40, (2, 7))
@@ -143,8 +145,8 @@ def test_packed_rows_equal_separate_examples(positional):
     "positional,overrides",
     [(name, {}) for name in SCHEMES]
     + [
-        ("rope", {"pre_norm": True}),
-        ("relative", {"pre_norm": True, "untie_relative_biases": True, "clamp_len": 3}),
+        ("rope", {"layer_norm": "pre"}),
+        ("relative", {"layer_norm": "pre", "untie_relative_biases": True, "clamp_len": 3}),
         ("alibi", {"decoder_mask": "sliding_window", "attention_window": 3}),
         ("t5_bias", {"encoder_mask": "sliding_window", "attention_window": 2}),
     ],

@@ -134,7 +134,10 @@ def test_empty_lines_are_kept(tmp_path):
         ({"model.adaptive_cutoffs": (500, 200)}, r"adaptive_cutoffs must be increasing"),
         ({"model.adaptive_cutoffs": (200,), "model.tie_projs": (True,)}, r"one entry per cluster"),
         ({"data.segment_length": 0}, r"data.segment_length must be > 0"),
-        ({"model.decoder_mask": "bidirectional"}, r"decoder_mask='bidirectional' cannot be used"),
+        (
+            {"model.decoder_mask": "bidirectional"},
+            r"'model.decoder_mask' is 'bidirectional'; allowed values for decoder_only",
+        ),
         ({"model.encoder_mask": "sliding_window"}, r"encoder_mask is for encoder_decoder"),
         ({"model.decoder_mask": "sliding_window"}, r"attention_window=0 must be > 0 exactly"),
         ({"model.attention_window": 8}, r"attention_window=8 must be > 0 exactly when"),
@@ -176,8 +179,15 @@ def test_incompatible_language_model_options(overrides, message):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"model.decoder_mask": "prefix_lm", "model.prefix_length": 4}, r"cannot be used by a"),
-        ({"model.encoder_mask": "causal"}, r"encoder_mask='causal' cannot be used by a"),
+        (
+            {"model.decoder_mask": "prefix_lm", "model.prefix_length": 4},
+            r"'model.decoder_mask' is 'prefix_lm'; allowed values for encoder_decoder",
+        ),
+        (
+            {"model.encoder_mask": "causal"},
+            r"'model.encoder_mask' is 'causal'; allowed values for encoder_decoder",
+        ),
+        ({"model.mem_len": 70}, r"model.mem_len is for decoder_only models"),
         ({"model.encoder_mask": "sliding_window"}, r"attention_window=0 must be > 0"),
         (
             {"model.positional": "t5_bias", "model.relative_max_distance": 8},

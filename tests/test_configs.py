@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 
 from xformer import config as config_lib
+from xformer import model_config
 from xformer.language_model import LanguageModel
+from xformer.model_config import from_config
 from xformer.models import EncoderDecoder
-from xformer.tasks.language_modeling import lm_config
-from xformer.tasks.translation import model_config
 from xformer.train_lib import train_and_evaluate
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
@@ -75,7 +75,9 @@ def test_wmt14_base_model_trains_on_multi30k_data(tmp_path, tfds_dir, multi30k_d
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses) == 3 and all(0 < x < 20 for x in losses)
     assert (tmp_path / "tensorboard").is_dir()
-    model = EncoderDecoder(model_config(config, 1000, 1000), rngs=nnx.Rngs(0))
+    model = EncoderDecoder(
+        from_config(config.model, src_vocab_size=1000, tgt_vocab_size=1000), rngs=nnx.Rngs(0)
+    )
     n_params = sum(v.size for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
     # 6+6 layers of d_model 512 / d_ff 2048: 44.14M parameters besides the shared embedding
     # (the paper's 65M includes its 37k-token embedding).
@@ -91,5 +93,36 @@ def test_wmt14_base_model_trains_on_multi30k_data(tmp_path, tfds_dir, multi30k_d
 )
 def test_transformer_xl_paper_configs_have_the_paper_sizes(name, vocab, expected):
     config = load(Path(__file__).resolve().parents[1] / "configs" / f"{name}.py").get_config()
-    model = nnx.eval_shape(lambda: LanguageModel(lm_config(config, vocab), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(
+        lambda: LanguageModel(from_config(config.model, vocab_size=vocab), rngs=nnx.Rngs(0))
+    )
     assert sum(v.size for v in jax.tree.leaves(nnx.state(model, nnx.Param))) == expected
+
+
+def test_model_keys_come_from_the_model_dataclasses():
+    """base_config().model is exactly the dataclass fields (defaults included), each documented,
+    and a config converts to its family's dataclass with every value carried over."""
+    model = config_lib.base_config().model
+    fields = model_config.config_keys()
+    assert set(model) == {"family", *fields}
+    for name, field in fields.items():
+        assert model[name] == field.default and field.metadata["doc"], name
+    data_fields = {
+        "encoder_decoder": {"src_vocab_size": 5, "tgt_vocab_size": 7},
+        "decoder_only": {"vocab_size": 7},
+    }
+    for family, cls in model_config.FAMILIES.items():
+        config = config_lib.lm_base_config("ptb")
+        config.model.family, config.model.d_ff, config.model.layer_norm = family, 96, "pre"
+        cfg = model_config.from_config(config.model, **data_fields[family])
+        assert type(cfg) is cls and cfg.d_ff == 96 and cfg.pre_norm
+        values = {name: getattr(cfg, name) for name in cls.fields()}
+        assert values == {name: config.model[name] for name in cls.fields()}
+
+
+def test_model_dataclass_defaults_agree_across_families():
+    shared = set(model_config.TransformerConfig.fields()) & set(model_config.LMConfig.fields())
+    assert {"relu_dropout", "max_len", "decoder_mask", "positional"} <= shared
+    for name in shared:
+        lm = model_config.LMConfig.fields()[name].default
+        assert model_config.TransformerConfig.fields()[name].default == lm, name

@@ -196,7 +196,7 @@ def test_train_resume_and_eval_every_token(tmp_path, tfds_dir, ptb):
     report = json.loads((tmp_path / "run" / "eval_test.json").read_text())
     assert report["tokens"] == PTB_TEST_TOKENS
     assert report["step"] == 6 and report["eval_mem_len"] == 64
-    assert report["eval_mask"] == "same_length"
+    assert report["eval_decoder_mask"] == "same_length"
     assert report["perplexity"] == pytest.approx(math.exp(report["nll"]))
     assert 100 < report["perplexity"] < 10_000  # six steps: far from trained, far from broken
 

@@ -31,8 +31,8 @@ def test_tiny_model_overfits_real_pairs(multi30k_dir, tmp_path):
     (batch,) = padded_batches(EncodedPairs.from_text(src_text, tgt_text, tok, tok), 6)
 
     cfg = TransformerConfig(
-        tok.vocab_size,
-        tok.vocab_size,
+        src_vocab_size=tok.vocab_size,
+        tgt_vocab_size=tok.vocab_size,
         d_model=64,
         num_heads=4,
         num_encoder_layers=2,

@@ -16,13 +16,19 @@ from xformer.language_model import LanguageModel, LMConfig
 from xformer.layout import Layout
 from xformer.positional import SCHEMES
 from xformer.positional.alibi import alibi_slopes
-from xformer.positional.base import BoundPositions
+from xformer.positional.base import BoundScheme
 from xformer.positional.t5_bias import relative_bucket
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 CFG = LMConfig(
-    vocab_size=31, d_model=16, num_heads=2, num_layers=2, d_ff=24, dropout=0.0, relu_dropout=0.0
+    vocab_size=31,
+    d_model=16,
+    num_heads=2,
+    num_decoder_layers=2,
+    d_ff=24,
+    dropout=0.0,
+    relu_dropout=0.0,
 )
 
 
@@ -168,11 +174,11 @@ def test_attention_under_each_scheme_matches_numpy(name, overrides, setting):
         memory = rng.normal(size=(2, 6, 16)).astype(np.float32)
         mask = masks.attention_mask("causal", Layout(1, 7, q_start=6))  # all keys are visible
         x = rng.normal(size=(2, 1, 16)).astype(np.float32)
-    bound = BoundPositions.bind(scheme, layout)
+    bound = BoundScheme.bind(scheme, layout)
     out = attn(
         jnp.asarray(x),
         mask,
-        positions=bound,
+        positional=bound,
         layer=layer,
         memory=None if memory is None else jnp.asarray(memory),
     )
@@ -245,6 +251,34 @@ def test_mask_truth_tables():
     )
 
 
+def test_mask_schemes_own_where_they_apply_and_what_they_score():
+    assert masks.names_for(masks.ENCODER) == ("bidirectional", "sliding_window")
+    assert masks.names_for(masks.DECODER) == ("causal", "sliding_window")
+    assert masks.names_for(masks.LM) == ("causal", "sliding_window", "prefix_lm", "same_length")
+    cfg = dataclasses.replace(CFG, decoder_mask="prefix_lm", prefix_length=5)
+    prefix, causal = masks.MASK_SCHEMES["prefix_lm"], masks.MASK_SCHEMES["causal"]
+    assert prefix.unscored_targets(cfg) == 4 and causal.unscored_targets(CFG) == 0
+    assert prefix.eval_stride(cfg, 12) == 8 and causal.eval_stride(CFG, 12) == 0
+    with pytest.raises(ValueError, match=r"'prefix_lm' cannot be used with a memory"):
+        prefix.check("model.decoder_mask", cfg, mem_len=4, segment_length=12)
+    with pytest.raises(ValueError, match=r"score at most .* = 8"):
+        prefix.check("eval.decoder_mask", cfg, mem_len=0, segment_length=12, sliding_stride=9)
+    with pytest.raises(ValueError, match=r"'same_length' needs a memory"):
+        masks.MASK_SCHEMES["same_length"].check("x", CFG, mem_len=0, segment_length=12)
+
+
+def test_absolute_schemes_refuse_a_memory_in_one_place():
+    for name, scheme in SCHEMES.items():
+        if scheme.absolute:
+            with pytest.raises(ValueError, match=rf"cannot be used with model.positional='{name}'"):
+                scheme.check_memory(3)
+            model = LanguageModel(dataclasses.replace(CFG, positional=name), rngs=nnx.Rngs(0))
+            with pytest.raises(ValueError, match="cannot be used with"):
+                model.init_memory(2, 3)
+        else:
+            scheme.check_memory(3)
+
+
 @pytest.mark.parametrize("name", SCHEMES)
 def test_length_extrapolation(name):
     """A model built for 8 positions runs on 16 unless its positions are a learned table,
@@ -264,7 +298,7 @@ def test_length_extrapolation(name):
 
 @pytest.mark.parametrize("name", ["rope", "sinusoidal"])
 def test_prefix_lm_sees_its_prefix_both_ways_and_nothing_after(name):
-    cfg = dataclasses.replace(CFG, positional=name, mask="prefix_lm", prefix_length=3)
+    cfg = dataclasses.replace(CFG, positional=name, decoder_mask="prefix_lm", prefix_length=3)
     model = LanguageModel(cfg, rngs=nnx.Rngs(1))
     tokens = jnp.asarray(np.random.default_rng().integers(0, 31, (1, 8)), jnp.int32)
     base, _ = model(tokens, tokens)

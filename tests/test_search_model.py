@@ -11,8 +11,8 @@ from xformer.models import EncoderDecoder, TransformerConfig
 
 def _model(seed):
     cfg = TransformerConfig(
-        30,
-        30,
+        src_vocab_size=30,
+        tgt_vocab_size=30,
         d_model=32,
         num_heads=4,
         num_encoder_layers=2,

@@ -26,7 +26,8 @@ TINY = LMConfig(
     vocab_size=37,
     d_model=16,
     num_heads=2,
-    num_layers=3,
+    num_decoder_layers=3,
+    positional="relative",
     d_ff=24,
     dropout=0.0,
     relu_dropout=0.0,
@@ -85,13 +86,13 @@ def _tokens(seed, shape, vocab=TINY.vocab_size):
     "overrides",
     [
         {},
-        {"pre_norm": True, "untie_relative_biases": True},
+        {"layer_norm": "pre", "untie_relative_biases": True},
         {"adaptive_cutoffs": (10, 20), "div_val": 2},
         {"positional": "rope"},
         {"positional": "t5_bias"},
         {"positional": "alibi"},
         {"positional": "none"},
-        {"positional": "rope", "mask": "sliding_window", "attention_window": 5},
+        {"positional": "rope", "decoder_mask": "sliding_window", "attention_window": 5},
     ],
 )
 def test_recurrence_equals_one_pass_over_the_concatenation(overrides):
@@ -148,7 +149,7 @@ def test_same_length_and_clamp_change_only_what_they_should():
     model = LanguageModel(TINY, rngs=nnx.Rngs(11))
     tokens, targets = _tokens(12, (2, 6)), _tokens(13, (2, 6))
     _, state = nnx.split(model)
-    for overrides in ({"clamp_len": 100}, {"mask": "same_length"}):
+    for overrides in ({"clamp_len": 100}, {"decoder_mask": "same_length"}):
         # clamp beyond every distance, or a window wider than the context: no change
         variant = nnx.merge(
             nnx.split(LanguageModel(dataclasses.replace(TINY, **overrides), rngs=nnx.Rngs(0)))[0],

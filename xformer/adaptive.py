@@ -65,23 +65,11 @@ class AdaptiveEmbedding(nnx.Module):
     d_g == d_model.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        d_embed: int,
-        d_model: int,
-        cutoffs: Sequence[int] = (),
-        div_val: int = 1,
-        *,
-        rngs: nnx.Rngs,
-        init_std: float = 0.02,
-    ):
-        self.layout = lay = ClusterLayout.make(
-            vocab_size, d_embed, d_model, tuple(cutoffs), div_val
-        )
+    def __init__(self, layout: ClusterLayout, *, rngs: nnx.Rngs, init_std: float = 0.02):
+        self.layout = lay = layout
         init = nnx.initializers.normal(init_std)
         self.tables = nnx.List([_param(rngs, n, d, init=init) for n, d in lay.table_shapes()])
-        self.projs = nnx.List([_proj(rngs, d, d_model) for _, d in lay.table_shapes()])
+        self.projs = nnx.List([_proj(rngs, d, lay.d_model) for _, d in lay.table_shapes()])
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         out = jnp.zeros((*tokens.shape, self.layout.d_model), self.tables[0].dtype)
@@ -107,19 +95,13 @@ class AdaptiveLogSoftmax(nnx.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        d_embed: int,
-        d_model: int,
-        cutoffs: Sequence[int] = (),
-        div_val: int = 1,
+        layout: ClusterLayout,
         *,
         rngs: nnx.Rngs,
         tie_embedding: AdaptiveEmbedding | None = None,
         tie_projs: Sequence[bool] | None = None,
     ):
-        self.layout = lay = ClusterLayout.make(
-            vocab_size, d_embed, d_model, tuple(cutoffs), div_val
-        )
+        self.layout = lay = layout
         n = len(lay.clusters)
         tie_projs = tuple(tie_projs) if tie_projs is not None else (False,) * n
         if len(tie_projs) != n:
@@ -134,11 +116,13 @@ class AdaptiveLogSoftmax(nnx.Module):
             self.tables = nnx.List([_param(rngs, n_g, d) for n_g, d in lay.table_shapes()])
         self.projs = nnx.List(
             [
-                tie_embedding.projs[lay.table_of(i)] if tie else _proj(rngs, lay.dims[i], d_model)
+                tie_embedding.projs[lay.table_of(i)]
+                if tie
+                else _proj(rngs, lay.dims[i], lay.d_model)
                 for i, tie in enumerate(tie_projs)
             ]
         )
-        self.bias = nnx.Param(jnp.zeros(vocab_size))
+        self.bias = nnx.Param(jnp.zeros(lay.vocab_size))
         self.cluster_weight = _param(rngs, n - 1, lay.dims[0]) if n > 1 else None
         self.cluster_bias = nnx.Param(jnp.zeros(n - 1)) if n > 1 else None
 

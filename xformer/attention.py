@@ -10,7 +10,7 @@ from flax import nnx
 
 from xformer.dropout import Dropout
 from xformer.layout import Layout
-from xformer.positional.base import BoundPositions
+from xformer.positional.base import BoundScheme
 
 NEG_INF = -1e9  # finite, so fully masked rows give a uniform softmax instead of NaN
 
@@ -85,7 +85,7 @@ class MultiHeadAttention(nnx.Module):
         x: jax.Array,
         mask: jax.Array | None,
         *,
-        positions: BoundPositions | None = None,
+        positional: BoundScheme | None = None,
         layer: int = 0,
         memory: jax.Array | None = None,
         encoded: jax.Array | None = None,
@@ -104,13 +104,13 @@ class MultiHeadAttention(nnx.Module):
             k, v = self.project_kv(jnp.concatenate([memory, x], axis=1))
         else:
             q, k, v = self._qkv(x)
-        if positions is not None:
-            q = positions.scheme.rotate(q, positions.layout.q_start)
-            k = positions.scheme.rotate(k, positions.layout.k_start)
-        return self._attend(q, k, v, mask, positions, layer)
+        if positional is not None:
+            q = positional.scheme.rotate(q, positional.layout.q_start)
+            k = positional.scheme.rotate(k, positional.layout.k_start)
+        return self._attend(q, k, v, mask, positional, layer)
 
-    def _attend(self, q, k, v, mask, positions, layer) -> jax.Array:
-        bias = None if positions is None else positions.bias(q, k, layer)
+    def _attend(self, q, k, v, mask, positional, layer) -> jax.Array:
+        bias = None if positional is None else positional.bias(q, k, layer)
         out = dot_product_attention(q, k, v, mask, self.dropout, bias)
         return self.out_proj(out.reshape(*out.shape[:-2], -1))
 
@@ -120,22 +120,22 @@ class MultiHeadAttention(nnx.Module):
         cache: dict,
         index: jax.Array,
         mask: jax.Array,
-        positions: BoundPositions,
+        positional: BoundScheme,
         layer: int,
     ) -> tuple[jax.Array, dict]:
         """One incremental self-attention step.
 
         x [B, 1, d] at position `index` (scalar); cache {"k", "v"}: [B, max_len, H, D] keys
         (rotated, for rotary schemes) and values of earlier positions; mask [B, 1, 1, max_len]
-        hides slots > index; positions bound to Layout(1, max_len, q_start=index).
+        hides slots > index; positional is bound to Layout(1, max_len, q_start=index).
         """
         q, k, v = self._qkv(x)
-        q, k = (positions.scheme.rotate(t, index) for t in (q, k))
+        q, k = (positional.scheme.rotate(t, index) for t in (q, k))
         cache = {
             "k": jax.lax.dynamic_update_slice_in_dim(cache["k"], k, index, axis=1),
             "v": jax.lax.dynamic_update_slice_in_dim(cache["v"], v, index, axis=1),
         }
-        return self._attend(q, cache["k"], cache["v"], mask, positions, layer), cache
+        return self._attend(q, cache["k"], cache["v"], mask, positional, layer), cache
 
 
 def decode_layout(index: jax.Array, max_len: int) -> Layout:

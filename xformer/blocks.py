@@ -9,7 +9,7 @@ from flax import nnx
 
 from xformer.attention import MultiHeadAttention
 from xformer.dropout import Dropout
-from xformer.positional.base import BoundPositions
+from xformer.positional.base import BoundScheme
 
 
 class FeedForward(nnx.Module):
@@ -61,7 +61,7 @@ class SelfAttentionBlock(nnx.Module):
         self,
         x: jax.Array,
         mask: jax.Array,
-        positions: BoundPositions,
+        positional: BoundScheme,
         layer: int,
         memory: jax.Array | None = None,
     ) -> jax.Array:
@@ -69,7 +69,7 @@ class SelfAttentionBlock(nnx.Module):
         mask [B or 1, 1, L, Lm + L] -> [B, L, d]."""
         if memory is not None and self.attn_res.pre_norm:  # keys see normalised memory too
             memory = self.attn_res.norm(memory)
-        attend = functools.partial(self.attn, positions=positions, layer=layer, memory=memory)
+        attend = functools.partial(self.attn, positional=positional, layer=layer, memory=memory)
         x = self.attn_res(x, lambda h: attend(h, mask))
         return self.ffn_res(x, self.ffn)
 
@@ -93,7 +93,7 @@ class DecoderBlock(nnx.Module):
         x: jax.Array,
         self_mask: jax.Array,
         cross_mask: jax.Array,
-        positions: BoundPositions,
+        positional: BoundScheme,
         layer: int,
         *,
         encoded: jax.Array | None = None,
@@ -101,20 +101,20 @@ class DecoderBlock(nnx.Module):
     ) -> jax.Array:
         """x [B, Lt, d], encoded [B, Ls, d] (or its precomputed cross_kv) -> [B, Lt, d]."""
         x = self.self_res(
-            x, lambda h: self.self_attn(h, self_mask, positions=positions, layer=layer)
+            x, lambda h: self.self_attn(h, self_mask, positional=positional, layer=layer)
         )
         x = self.cross_res(
             x, lambda h: self.cross_attn(h, cross_mask, encoded=encoded, kv=cross_kv)
         )
         return self.ffn_res(x, self.ffn)
 
-    def decode_step(self, x, cache, index, self_mask, cross_mask, cross_kv, positions, layer):
+    def decode_step(self, x, cache, index, self_mask, cross_mask, cross_kv, positional, layer):
         """Incremental version of __call__ for x [B, 1, d]; returns (out, new self-attn cache)."""
         new_cache = {}
 
         def attend(h):
             out, new_cache["kv"] = self.self_attn.decode_step(
-                h, cache, index, self_mask, positions, layer
+                h, cache, index, self_mask, positional, layer
             )
             return out
 

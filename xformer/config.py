@@ -1,7 +1,10 @@
 """The config schema: every key a config may set, its default, and validation before compute.
 
 Config files in configs/ start from `base_config()` and override values; `validate` rejects keys
-that are not in the schema and options that cannot work together, naming the key.
+that are not in the schema and options that cannot work together, naming the key. The `model`
+keys are the fields of the model dataclasses (model_config.py): their defaults, types, allowed
+values and meanings live there; masking and positional schemes check their own requirements
+(masks.MaskScheme.check, PositionalScheme.check_config / check_memory).
 """
 
 from collections.abc import Mapping
@@ -9,12 +12,10 @@ from typing import Any
 
 import ml_collections
 
+from xformer import masks, model_config, positional
 from xformer.positional import SCHEMES
 
-ALLOWED = {
-    "model.family": ("encoder_decoder", "decoder_only"),
-    "model.positional": tuple(SCHEMES),
-    "model.layer_norm": ("post", "pre"),
+ALLOWED = {  # data and train keys; the model keys' allowed values are in model_config.py
     "data.vocab": ("joint", "separate"),
     "train.schedule": ("rsqrt", "cosine", "constant"),
 }
@@ -25,36 +26,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.family = "encoder_decoder"  # translation; "decoder_only": language modelling
-    c.model.d_model = 512
-    c.model.num_heads = 8
-    c.model.num_encoder_layers = 6
-    c.model.num_decoder_layers = 6  # also the depth of decoder-only language models
-    c.model.d_ff = 2048
-    c.model.dropout = 0.1  # embeddings and residual branches
-    c.model.attention_dropout = 0.0
-    c.model.relu_dropout = 0.0
-    # none | sinusoidal | learned | relative (Transformer-XL) | rope | t5_bias | alibi
-    c.model.positional = "sinusoidal"  # in every self-attention stack
-    c.model.max_len = 256  # learned position table size
-    c.model.rope_base = 10000.0
-    c.model.relative_buckets = 32  # t5_bias: buckets per direction pair, log-spaced beyond
-    c.model.relative_max_distance = 128  # half of them, up to this distance
-    c.model.encoder_mask = "bidirectional"  # or sliding_window
-    c.model.decoder_mask = "causal"  # or sliding_window; decoder-only: prefix_lm, same_length
-    c.model.attention_window = 0  # sliding_window: keys fewer than this many positions away
-    c.model.prefix_length = 0  # prefix_lm: the first positions of a segment see each other
-    c.model.layer_norm = "post"  # "post": the paper; "pre": LayerNorm inside the residual
-    c.model.share_embeddings = True  # source/target share one table (needs data.vocab="joint")
-    c.model.tie_output = True  # output projection = target embedding transposed
-    # Transformer-XL: recurrence (decoder_only, any scheme that is not absolute)
-    c.model.mem_len = 0  # cached states per layer during training (0 = no recurrence)
-    c.model.clamp_len = 0  # relative: distances beyond this share one encoding (0 = off)
-    c.model.untie_relative_biases = False  # relative: u, v per layer (TF) or shared (PyTorch)
-    # Adaptive input and softmax (decoder_only): vocab ids are sorted by frequency
-    c.model.d_embed = 0  # embedding size of the head cluster (0 = d_model)
-    c.model.adaptive_cutoffs = ()  # e.g. (20000, 40000, 200000); () = plain softmax
-    c.model.div_val = 1  # cluster i embeds in d_embed // div_val**i dims
-    c.model.tie_projs = ()  # per cluster, share the softmax and embedding projections
+    for name, field in model_config.config_keys().items():  # documented in model_config.py
+        c.model[name] = field.default
 
     c.data = ml_collections.ConfigDict()
     c.data.dataset = "multi30k"  # xformer builder name, or a TFDS catalog name
@@ -179,6 +152,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         if key not in given:
             raise ValueError(f"config is missing key {key!r} (start configs from base_config())")
         value = given[key]
+        if key.startswith("model."):
+            continue  # typed by the model dataclasses (_validate_model)
         if (
             isinstance(default, bool) != isinstance(value, bool)
             or (isinstance(default, int | float) and not isinstance(value, int | float))
@@ -190,27 +165,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
         if given[key] not in allowed:
             raise ValueError(f"config key {key!r} is {given[key]!r}; allowed values: {allowed}")
 
+    cfg = _validate_model(config.model)
     m, d, t = config.model, config.data, config.train
-    if m.d_model % m.num_heads:
-        raise ValueError(
-            f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}"
-        )
-    _validate_positions_and_masks(m)
-    if m.family == "decoder_only":
-        _validate_language_model(config)
-    if m.share_embeddings and d.vocab != "joint" and m.family == "encoder_decoder":
+    if isinstance(cfg, model_config.LMConfig):
+        _validate_language_model(config, cfg)
+    elif m.share_embeddings and d.vocab != "joint":
         raise ValueError("model.share_embeddings=True needs data.vocab='joint'")
     if m.positional == "learned" and d.max_train_length > m.max_len:
         raise ValueError(
             f"data.max_train_length={d.max_train_length} exceeds the learned position table "
             f"model.max_len={m.max_len}"
         )
-    for key in ("d_model", "num_heads", "d_ff", "max_len"):
-        if m[key] <= 0:
-            raise ValueError(f"model.{key} must be positive, got {m[key]}")
-    for key in ("dropout", "attention_dropout", "relu_dropout"):
-        if not 0.0 <= m[key] < 1.0:
-            raise ValueError(f"model.{key} must be in [0, 1), got {m[key]}")
     if d.source_lang == d.target_lang and m.family == "encoder_decoder":
         raise ValueError("data.source_lang and data.target_lang must differ")
     for key in ("batch_size", "num_steps", "log_every", "eval_every", "checkpoint_every"):
@@ -222,98 +187,94 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"eval.beam_size must be >= 1, got {config.eval.beam_size}")
 
 
-MASKS_BY_STACK = {  # which masking schemes each stack may use
-    ("encoder_decoder", "encoder_mask"): ("bidirectional", "sliding_window"),
-    ("encoder_decoder", "decoder_mask"): ("causal", "sliding_window"),
-    ("decoder_only", "decoder_mask"): ("causal", "sliding_window", "prefix_lm", "same_length"),
-}
-
-
-def _validate_positions_and_masks(m: ml_collections.ConfigDict) -> None:
-    for (family, key), allowed in MASKS_BY_STACK.items():
-        if m.family == family and m[key] not in allowed:
+def _validate_model(m: ml_collections.ConfigDict) -> model_config.StackConfig:
+    """Types and allowed values from the family's dataclass; the other family's keys must
+    keep their defaults; then what the positional and masking schemes require."""
+    families = tuple(model_config.FAMILIES)
+    if m.family not in families:
+        raise ValueError(f"config key 'model.family' is {m.family!r}; allowed values: {families}")
+    own = model_config.FAMILIES[m.family].fields()
+    for name, field in model_config.config_keys().items():
+        if name in own:
+            shared = name in model_config.StackConfig.fields()
+            model_config.check_value(name, own[name], m[name], "" if shared else m.family)
+        elif not _same(m[name], field.default):
+            owners = [f for f, cls in model_config.FAMILIES.items() if name in cls.fields()]
             raise ValueError(
-                f"model.{key}={m[key]!r} cannot be used by a {family} model; allowed values: "
-                f"{allowed}"
+                f"model.{name} is for {' and '.join(owners)} models; a {m.family} model has none "
+                f"(it is {m[name]!r}, leave it at {field.default!r})"
             )
-    if m.family == "decoder_only" and m.encoder_mask != "bidirectional":
-        raise ValueError("model.encoder_mask is for encoder_decoder models (decoder_only has none)")
-    masks = (m.encoder_mask, m.decoder_mask) if m.family == "encoder_decoder" else (m.decoder_mask,)
-    windowed = "sliding_window" in masks
-    if windowed != (m.attention_window > 0):
+    cfg = model_config.from_config(m)
+    if cfg.d_model % cfg.num_heads:
         raise ValueError(
-            f"model.attention_window={m.attention_window} must be > 0 exactly when a mask is "
-            f"'sliding_window' (masks: {masks})"
+            f"model.d_model={cfg.d_model} must be divisible by model.num_heads={cfg.num_heads}"
         )
-    if (m.decoder_mask == "prefix_lm") != (m.prefix_length > 0) or m.prefix_length < 0:
-        raise ValueError(
-            f"model.prefix_length={m.prefix_length} must be > 0 exactly when "
-            f"model.decoder_mask='prefix_lm' (it is {m.decoder_mask!r})"
-        )
-    head_dim = m.d_model // m.num_heads
-    if m.positional == "rope" and (head_dim % 2 or m.rope_base <= 1):
-        raise ValueError(
-            f"model.positional='rope' needs an even head size (d_model / num_heads = {head_dim})"
-            f" and model.rope_base > 1 (got {m.rope_base})"
-        )
-    if m.positional in ("sinusoidal", "relative") and m.d_model % 2:
-        raise ValueError(
-            f"model.positional={m.positional!r} needs an even d_model, got {m.d_model}"
-        )
-    if m.positional == "t5_bias" and (
-        m.relative_buckets < 4 or m.relative_max_distance <= m.relative_buckets // 2
-    ):
-        raise ValueError(
-            "model.positional='t5_bias' needs model.relative_buckets >= 4 and "
-            "model.relative_max_distance > relative_buckets / 2; got "
-            f"{m.relative_buckets}, {m.relative_max_distance}"
-        )
-    if m.positional != "relative" and (m.clamp_len or m.untie_relative_biases):
-        raise ValueError(
-            "model.clamp_len and model.untie_relative_biases are for model.positional="
-            f"'relative' (Transformer-XL), not {m.positional!r}"
-        )
+    for key in ("d_model", "num_heads", "d_ff", "max_len"):
+        if m[key] <= 0:
+            raise ValueError(f"model.{key} must be positive, got {m[key]}")
+    for key in ("dropout", "attention_dropout", "relu_dropout"):
+        if not 0.0 <= m[key] < 1.0:
+            raise ValueError(f"model.{key} must be in [0, 1), got {m[key]}")
+    positional.check_config(cfg)
+    chosen = {k: m[k] for k in ("encoder_mask", "decoder_mask") if k in own}
+    sized: dict[str, list[str]] = {}  # model key -> the masking schemes it sizes
+    for scheme in masks.MASK_SCHEMES.values():
+        if scheme.size_key:
+            sized.setdefault(scheme.size_key, []).append(scheme.name)
+    for key, names in sized.items():
+        if any(n in names for n in chosen.values()) != (m[key] > 0) or m[key] < 0:
+            raise ValueError(
+                f"model.{key}={m[key]} must be > 0 exactly when a mask is "
+                f"{' or '.join(map(repr, names))} (masks: {chosen})"
+            )
+    return cfg
 
 
-def _validate_language_model(config: ml_collections.ConfigDict) -> None:
+def _same(value, default) -> bool:
+    if isinstance(default, tuple):
+        return isinstance(value, tuple | list) and tuple(value) == default
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
+
+
+def _validate_language_model(config: ml_collections.ConfigDict, cfg) -> None:
     m, d, e = config.model, config.data, config.eval
     for key in ("mem_len", "clamp_len", "d_embed"):
         if m[key] < 0:
             raise ValueError(f"model.{key} must be >= 0, got {m[key]}")
+    if d.segment_length <= 0 or e.segment_length < 0:
+        raise ValueError("data.segment_length must be > 0 and eval.segment_length >= 0")
+    eval_length = e.segment_length or d.segment_length
     eval_mem_len = m.mem_len if e.mem_len < 0 else e.mem_len
-    absolute = SCHEMES[m.positional].absolute
-    if absolute and (m.mem_len or eval_mem_len):
-        raise ValueError(
-            f"a memory (model.mem_len={m.mem_len}, eval.mem_len={e.mem_len}) cannot be used "
-            f"with model.positional={m.positional!r}: it adds absolute positions to the "
-            "embeddings, which repeat across segments; use a relative scheme "
-            "(relative, rope, t5_bias, alibi) or none"
-        )
-    if m.positional == "learned" and max(d.segment_length, e.segment_length) > m.max_len:
+    scheme = SCHEMES[m.positional]
+    scheme.check_memory(m.mem_len, "model.mem_len")
+    scheme.check_memory(eval_mem_len, "eval.mem_len")
+    if m.positional == "learned" and max(d.segment_length, eval_length) > m.max_len:
         raise ValueError("segment lengths exceed the learned position table model.max_len")
     if e.sliding_stride and eval_mem_len:
         raise ValueError("eval.sliding_stride needs a memoryless evaluation (eval.mem_len=0)")
-    eval_mask = e.decoder_mask or m.decoder_mask
-    if eval_mask not in MASKS_BY_STACK[("decoder_only", "decoder_mask")]:
+    if e.sliding_stride < 0 or e.sliding_stride > eval_length:
+        raise ValueError("eval.sliding_stride must be in [0, eval segment length]")
+
+    train_mask = masks.MASK_SCHEMES[m.decoder_mask]
+    train_mask.check("model.decoder_mask", cfg, mem_len=m.mem_len, segment_length=d.segment_length)
+    if e.decoder_mask and e.decoder_mask not in masks.names_for(masks.LM):
         raise ValueError(f"eval.decoder_mask={e.decoder_mask!r} is not a decoder-only mask")
-    if (eval_mask == "prefix_lm") != (m.decoder_mask == "prefix_lm"):
-        raise ValueError("eval.decoder_mask can switch prefix_lm neither on nor off")
-    if m.decoder_mask == "same_length" and not m.mem_len:
-        raise ValueError("model.decoder_mask='same_length' needs model.mem_len > 0")
-    if eval_mask == "same_length" and not eval_mem_len:
-        raise ValueError("decoder_mask 'same_length' needs an evaluation memory (eval.mem_len)")
-    if m.decoder_mask == "prefix_lm":
-        if m.mem_len or eval_mem_len:
-            raise ValueError("model.decoder_mask='prefix_lm' cannot be used with a memory")
-        eval_length = e.segment_length or d.segment_length
-        if m.prefix_length >= min(d.segment_length, eval_length):
-            raise ValueError("model.prefix_length must be shorter than the segment lengths")
-        if e.sliding_stride > eval_length - m.prefix_length + 1:
+    eval_mask = masks.MASK_SCHEMES[e.decoder_mask or m.decoder_mask]
+    for mask in {train_mask, eval_mask}:  # a scheme that decides what is scored stays on
+        shapes_scoring = mask.unscored_targets(cfg) or mask.eval_stride(cfg, eval_length)
+        if shapes_scoring and eval_mask != train_mask:
             raise ValueError(
-                f"eval.sliding_stride={e.sliding_stride}: prefix_lm windows can score at most "
-                f"segment length - prefix_length + 1 = {eval_length - m.prefix_length + 1} "
-                "tokens (the others are visible inside the prefix)"
+                f"eval.decoder_mask can switch {mask.name} neither on nor off (it decides "
+                "which targets are scored)"
             )
+    eval_mask.check(
+        "eval.decoder_mask" if e.decoder_mask else "model.decoder_mask",
+        cfg,
+        mem_len=eval_mem_len,
+        segment_length=eval_length,
+        sliding_stride=e.sliding_stride,
+    )
+
     cutoffs = list(m.adaptive_cutoffs)
     if cutoffs != sorted(set(cutoffs)) or any(c <= 0 for c in cutoffs):
         raise ValueError(f"model.adaptive_cutoffs must be increasing and positive, got {cutoffs}")
@@ -323,7 +284,3 @@ def _validate_language_model(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"model.tie_projs needs one entry per cluster ({len(cutoffs) + 1}), got {m.tie_projs}"
         )
-    if d.segment_length <= 0 or e.segment_length < 0:
-        raise ValueError("data.segment_length must be > 0 and eval.segment_length >= 0")
-    if e.sliding_stride < 0 or e.sliding_stride > (e.segment_length or d.segment_length):
-        raise ValueError("eval.sliding_stride must be in [0, eval segment length]")

@@ -9,54 +9,20 @@ against. Inputs go through adaptive embeddings and an adaptive softmax (a plain 
 softmax when there are no cutoffs).
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from xformer import masks
-from xformer.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+from xformer.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax, ClusterLayout
 from xformer.blocks import SelfAttentionBlock
 from xformer.dropout import Dropout
 from xformer.layout import Layout
+from xformer.model_config import LMConfig
 from xformer.positional import SCHEMES
-from xformer.positional.base import BoundPositions
+from xformer.positional.base import BoundScheme
 
 Memory = dict  # {"states": [num_layers, B, M, d], "filled": [B] int32 valid trailing slots}
-
-
-@dataclasses.dataclass(frozen=True)
-class LMConfig:
-    vocab_size: int
-    d_model: int = 512
-    num_heads: int = 8
-    num_layers: int = 6
-    d_ff: int = 2048
-    dropout: float = 0.1  # embeddings, residual branches, R, and the final hidden state
-    attention_dropout: float = 0.0
-    relu_dropout: float = 0.1
-    positional: str = "relative"  # a key of positional.SCHEMES
-    max_len: int = 512  # learned absolute position table size
-    pre_norm: bool = False
-    mask: str = "causal"  # a key of masks.MASK_SCHEMES
-    attention_window: int = 0  # sliding_window width
-    prefix_length: int = 0  # prefix_lm: positions that see each other
-    clamp_len: int = 0  # XL relative distances beyond this share one encoding (0 = no clamp)
-    untie_relative_biases: bool = False  # u, v per layer (TF scripts) or shared (PyTorch)
-    rope_base: float = 10000.0
-    relative_buckets: int = 32  # T5 bias
-    relative_max_distance: int = 128
-    d_embed: int = 0  # embedding size of the head cluster (0 = d_model)
-    adaptive_cutoffs: tuple[int, ...] = ()
-    div_val: int = 1
-    tie_output: bool = True  # softmax cluster weights = embedding tables
-    tie_projs: tuple[bool, ...] = ()  # per cluster: softmax projection = embedding projection
-
-    @property
-    def absolute(self) -> bool:
-        """Positions are added to the embeddings (no memory possible)."""
-        return SCHEMES[self.positional].absolute
 
 
 class LanguageModel(nnx.Module):
@@ -65,13 +31,13 @@ class LanguageModel(nnx.Module):
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d, d_embed = cfg.d_model, cfg.d_embed or cfg.d_model
-        adaptive = (cfg.vocab_size, d_embed, d, cfg.adaptive_cutoffs, cfg.div_val)
+        clusters = ClusterLayout.make(cfg.vocab_size, d_embed, d, cfg.adaptive_cutoffs, cfg.div_val)
         # Absolute positions are added to the embeddings at unit scale, so the embeddings
         # start at unit scale too (Vaswani et al.); otherwise N(0, 0.02) tables as in XL.
         init_std = d_embed**-0.5 if cfg.absolute else 0.02
-        self.embed = AdaptiveEmbedding(*adaptive, rngs=rngs, init_std=init_std)
+        self.embed = AdaptiveEmbedding(clusters, rngs=rngs, init_std=init_std)
         self.dropout = Dropout(cfg.dropout, rngs=rngs)
-        self.positions = SCHEMES[cfg.positional](cfg, cfg.num_layers, rngs=rngs)
+        self.positional = SCHEMES[cfg.positional](cfg, cfg.num_layers, rngs=rngs)
         self.layers = nnx.List(
             [
                 SelfAttentionBlock(cfg, attention="memory", use_bias=False, rngs=rngs)
@@ -80,7 +46,7 @@ class LanguageModel(nnx.Module):
         )
         self.final_norm = nnx.LayerNorm(d, epsilon=1e-6, rngs=rngs) if cfg.pre_norm else None
         self.softmax = AdaptiveLogSoftmax(
-            *adaptive,
+            clusters,
             tie_embedding=self.embed if cfg.tie_output else None,
             tie_projs=cfg.tie_projs or None,
             rngs=rngs,
@@ -90,11 +56,7 @@ class LanguageModel(nnx.Module):
         """An empty memory of mem_len slots per layer (None when mem_len is 0)."""
         if not mem_len:
             return None
-        if self.cfg.absolute:
-            raise ValueError(
-                f"positional={self.cfg.positional!r} adds absolute positions to the "
-                "embeddings, so states cannot be reused as a memory"
-            )
+        SCHEMES[self.cfg.positional].check_memory(mem_len)
         shape = (self.cfg.num_layers, batch_size, mem_len, self.cfg.d_model)
         return {"states": jnp.zeros(shape), "filled": jnp.zeros((batch_size,), jnp.int32)}
 
@@ -114,30 +76,28 @@ class LanguageModel(nnx.Module):
         cfg, q_len = self.cfg, tokens.shape[1]
         mem_len = 0 if memory is None else memory["states"].shape[2]
         x = self.embed(tokens)
-        if cfg.absolute:
-            if memory is not None:
-                raise ValueError("absolute-position models have no memory")
+        if cfg.absolute:  # (init_memory refuses a memory for these schemes)
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(q_len), tokens.shape)
-            self.positions.check_length(q_len)
-            x = x + self.positions.embed(positions)
+            self.positional.check_length(q_len)
+            x = x + self.positional.embed(positions)
         x = self.dropout(x)
         layout = Layout.with_memory(q_len, mem_len)
         if memory is not None:
             filled_keys = masks.memory_key_valid(mem_len, q_len, memory["filled"])
             key_valid = filled_keys if key_valid is None else key_valid & filled_keys
         mask = masks.attention_mask(
-            cfg.mask,
+            cfg.decoder_mask,
             layout,
             window=cfg.attention_window,
             prefix_length=cfg.prefix_length,
             key_valid=key_valid,
         )
-        bound = BoundPositions.bind(self.positions, layout)
+        positional = BoundScheme.bind(self.positional, layout)
         inputs = []
         for i, layer in enumerate(self.layers):
             inputs.append(x)
-            x = layer(x, mask, bound, i, None if memory is None else memory["states"][i])
+            x = layer(x, mask, positional, i, None if memory is None else memory["states"][i])
         if memory is not None:
             states = jnp.concatenate([memory["states"], jnp.stack(inputs)], axis=2)[:, :, -mem_len:]
             memory = {

@@ -1,15 +1,54 @@
-"""Attention masks, one builder for every model: [B or 1, 1, Lq, Lk] bool, True = may attend.
+"""Masking schemes and the one mask builder: [B or 1, 1, Lq, Lk] bool, True = may attend.
 
-A masking scheme (selected by `model.encoder_mask` / `model.decoder_mask`) decides from query
-and key positions (see layout.py) which pairs may attend; padding, packed-example boundaries
-and empty memory slots are always ANDed in. A new scheme is one function plus one entry in
-MASK_SCHEMES.
+A masking scheme (selected by `model.encoder_mask` / `model.decoder_mask`) is one `MaskScheme`
+object that owns everything about it: which keys a query sees (from the index positions of
+layout.py), which stacks may use it, the model key that sizes it, whether it needs or forbids
+an XL memory, which targets it leaves out of the loss and how evaluation windows must be laid
+out. Padding, packed-example boundaries and empty memory slots are always ANDed in by
+`attention_mask`. A new scheme is one `MaskScheme` (a subclass where it needs more than the
+defaults) plus one entry in MASK_SCHEMES.
 """
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from xformer.layout import Layout
+
+ENCODER, DECODER, LM = "encoder", "decoder", "lm"  # the stacks: encoder-decoder's two, LM's one
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskScheme:
+    """visible(layout, window=, prefix_length=) -> [Lq, Lk] bool; the other fields say where
+    the scheme may be used (the per-scheme checks of `check`)."""
+
+    name: str
+    visible: Callable[..., jax.Array]
+    stacks: frozenset[str]
+    size_key: str | None = None  # model key that must be > 0 exactly when the scheme is used
+    memory: str = "optional"  # "optional", "required" or "forbidden": an XL memory
+
+    def unscored_targets(self, cfg: Any) -> int:
+        """How many leading targets of a segment the loss skips (visible to the queries)."""
+        return 0
+
+    def eval_stride(self, cfg: Any, segment_length: int) -> int:
+        """The sliding-window stride evaluation must use (0: any layout)."""
+        return 0
+
+    def check(
+        self, key: str, cfg: Any, *, mem_len: int, segment_length: int, sliding_stride: int = 0
+    ) -> None:
+        """Raise ValueError naming `key` (the config key selecting the scheme) if this scheme
+        cannot run with this memory, segment length and evaluation stride."""
+        if self.memory == "required" and not mem_len:
+            raise ValueError(f"{key}={self.name!r} needs a memory (model.mem_len / eval.mem_len)")
+        if self.memory == "forbidden" and mem_len:
+            raise ValueError(f"{key}={self.name!r} cannot be used with a memory")
 
 
 def causal(layout: Layout, *, window: int, prefix_length: int) -> jax.Array:
@@ -44,13 +83,45 @@ def same_length(layout: Layout, *, window: int, prefix_length: int) -> jax.Array
     return (distance >= 0) & (distance < layout.k_len - layout.q_len)
 
 
-MASK_SCHEMES = {
-    "causal": causal,
-    "bidirectional": bidirectional,
-    "sliding_window": sliding_window,
-    "prefix_lm": prefix_lm,
-    "same_length": same_length,
+class PrefixLM(MaskScheme):
+    """The prefix is context: its targets (seen by the prefix queries) are not scored, and
+    evaluation slides windows whose prefix is context only, so every token is scored once."""
+
+    def unscored_targets(self, cfg: Any) -> int:
+        return cfg.prefix_length - 1
+
+    def eval_stride(self, cfg: Any, segment_length: int) -> int:
+        return segment_length - cfg.prefix_length + 1
+
+    def check(self, key, cfg, *, mem_len, segment_length, sliding_stride=0) -> None:
+        super().check(key, cfg, mem_len=mem_len, segment_length=segment_length)
+        if cfg.prefix_length >= segment_length:
+            raise ValueError("model.prefix_length must be shorter than the segment lengths")
+        if sliding_stride > self.eval_stride(cfg, segment_length):
+            raise ValueError(
+                f"eval.sliding_stride={sliding_stride}: prefix_lm windows can score at most "
+                f"segment length - prefix_length + 1 = {self.eval_stride(cfg, segment_length)} "
+                "tokens (the others are visible inside the prefix)"
+            )
+
+
+MASK_SCHEMES: dict[str, MaskScheme] = {
+    s.name: s
+    for s in (
+        MaskScheme("causal", causal, frozenset({DECODER, LM})),
+        MaskScheme("bidirectional", bidirectional, frozenset({ENCODER})),
+        MaskScheme(
+            "sliding_window", sliding_window, frozenset({ENCODER, DECODER, LM}), "attention_window"
+        ),
+        PrefixLM("prefix_lm", prefix_lm, frozenset({LM}), "prefix_length", memory="forbidden"),
+        MaskScheme("same_length", same_length, frozenset({LM}), memory="required"),
+    )
 }
+
+
+def names_for(stack: str) -> tuple[str, ...]:
+    """The masking schemes a stack (ENCODER, DECODER or LM) may use."""
+    return tuple(name for name, s in MASK_SCHEMES.items() if stack in s.stacks)
 
 
 def attention_mask(
@@ -65,7 +136,8 @@ def attention_mask(
 ) -> jax.Array:
     """The scheme's mask AND same-example (segment ids [B, Lq], [B, Lk]; 0 = padding) AND
     valid keys ([B, Lk] bool) -> [B or 1, 1, Lq, Lk]."""
-    mask = MASK_SCHEMES[kind](layout, window=window, prefix_length=prefix_length)[None, None]
+    visible = MASK_SCHEMES[kind].visible(layout, window=window, prefix_length=prefix_length)
+    mask = visible[None, None]
     if q_segments is not None:
         mask = mask & segment_mask(q_segments, k_segments)
     if key_valid is not None:

@@ -1,6 +1,5 @@
 """The encoder-decoder Transformer of Vaswani et al. (2017), in Flax NNX."""
 
-import dataclasses
 import math
 
 import jax
@@ -12,35 +11,9 @@ from xformer.attention import decode_layout
 from xformer.blocks import DecoderBlock, SelfAttentionBlock
 from xformer.dropout import Dropout
 from xformer.layout import Layout
+from xformer.model_config import TransformerConfig
 from xformer.positional import SCHEMES
-from xformer.positional.base import BoundPositions
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    src_vocab_size: int
-    tgt_vocab_size: int
-    d_model: int = 512
-    num_heads: int = 8
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
-    d_ff: int = 2048
-    dropout: float = 0.1  # on embeddings and residual branches
-    attention_dropout: float = 0.0
-    relu_dropout: float = 0.0
-    positional: str = "sinusoidal"  # a key of positional.SCHEMES, used by both stacks
-    max_len: int = 256  # size of learned position tables
-    rope_base: float = 10000.0
-    relative_buckets: int = 32  # T5 bias
-    relative_max_distance: int = 128
-    clamp_len: int = 0  # Transformer-XL relative positions
-    untie_relative_biases: bool = False
-    encoder_mask: str = "bidirectional"  # or "sliding_window"
-    decoder_mask: str = "causal"  # or "sliding_window"
-    attention_window: int = 0  # width of sliding_window masks
-    pre_norm: bool = False  # False: post-LN as in the paper
-    share_embeddings: bool = True  # one table for source and target tokens
-    tie_output: bool = True  # output projection = target embedding^T
+from xformer.positional.base import BoundScheme
 
 
 class EncoderDecoder(nnx.Module):
@@ -59,8 +32,8 @@ class EncoderDecoder(nnx.Module):
             else nnx.Embed(cfg.tgt_vocab_size, d, embedding_init=init, rngs=rngs)
         )
         scheme = SCHEMES[cfg.positional]
-        self.src_positions = scheme(cfg, cfg.num_encoder_layers, rngs=rngs)
-        self.tgt_positions = scheme(cfg, cfg.num_decoder_layers, rngs=rngs)
+        self.src_positional = scheme(cfg, cfg.num_encoder_layers, rngs=rngs)
+        self.tgt_positional = scheme(cfg, cfg.num_decoder_layers, rngs=rngs)
         self.embed_dropout = Dropout(cfg.dropout, rngs=rngs)
         self.encoder = nnx.List(
             [SelfAttentionBlock(cfg, rngs=rngs) for _ in range(cfg.num_encoder_layers)]
@@ -99,12 +72,12 @@ class EncoderDecoder(nnx.Module):
         self, src: jax.Array, src_segments: jax.Array, src_positions: jax.Array
     ) -> jax.Array:
         """src, src_segments, src_positions [B, Ls] -> encoded states [B, Ls, d]."""
-        x = self._embed(self.src_embed, self.src_positions, src, src_positions)
+        x = self._embed(self.src_embed, self.src_positional, src, src_positions)
         layout = Layout(src.shape[1], src.shape[1], causal=False)
         mask = self._self_mask(self.cfg.encoder_mask, layout, src_segments)
-        positions = BoundPositions.bind(self.src_positions, layout)
+        positional = BoundScheme.bind(self.src_positional, layout)
         for i, layer in enumerate(self.encoder):
-            x = layer(x, mask, positions, i)
+            x = layer(x, mask, positional, i)
         return x if self.encoder_norm is None else self.encoder_norm(x)
 
     def __call__(
@@ -130,13 +103,13 @@ class EncoderDecoder(nnx.Module):
         if tgt_positions is None:
             tgt_positions = masks.positions_from_segments(tgt_segments)
         encoded = self.encode(src, src_segments, src_positions)
-        x = self._embed(self.tgt_embed, self.tgt_positions, tgt_in, tgt_positions)
+        x = self._embed(self.tgt_embed, self.tgt_positional, tgt_in, tgt_positions)
         layout = Layout(tgt_in.shape[1], tgt_in.shape[1])
         self_mask = self._self_mask(self.cfg.decoder_mask, layout, tgt_segments)
         cross_mask = masks.segment_mask(tgt_segments, src_segments)
-        positions = BoundPositions.bind(self.tgt_positions, layout)
+        positional = BoundScheme.bind(self.tgt_positional, layout)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, self_mask, cross_mask, positions, i, encoded=encoded)
+            x = layer(x, self_mask, cross_mask, positional, i, encoded=encoded)
         return self._logits(x)
 
     # Incremental decoding ---------------------------------------------------------------------
@@ -148,7 +121,7 @@ class EncoderDecoder(nnx.Module):
         "self": per layer {"k", "v"} [B, max_len, H, D]; "cross": per layer (k, v) [B, Ls, H, D];
         "src_valid" [B, Ls].
         """
-        self.tgt_positions.check_length(max_len)
+        self.tgt_positional.check_length(max_len)
         segments = masks.segments_from_tokens(src)
         encoded = self.encode(src, segments, masks.positions_from_segments(segments))
         b, heads = src.shape[0], self.cfg.num_heads
@@ -166,17 +139,17 @@ class EncoderDecoder(nnx.Module):
         b = tokens.shape[0]
         max_len = cache["self"][0]["k"].shape[1]
         positions = jnp.full((b, 1), index, jnp.int32)
-        x = self._embed(self.tgt_embed, self.tgt_positions, tokens[:, None], positions)
+        x = self._embed(self.tgt_embed, self.tgt_positional, tokens[:, None], positions)
         layout = decode_layout(index, max_len)
         self_mask = masks.attention_mask(
             self.cfg.decoder_mask, layout, window=self.cfg.attention_window
         )
         cross_mask = cache["src_valid"][:, None, None, :]
-        bound = BoundPositions.bind(self.tgt_positions, layout)
+        positional = BoundScheme.bind(self.tgt_positional, layout)
         new_self = []
         for i, (layer, kv) in enumerate(zip(self.decoder, cache["self"], strict=True)):
             x, kv = layer.decode_step(
-                x, kv, index, self_mask, cross_mask, cache["cross"][i], bound, i
+                x, kv, index, self_mask, cross_mask, cache["cross"][i], positional, i
             )
             new_self.append(kv)
         logits = self._logits(x)[:, 0].astype(jnp.float32)

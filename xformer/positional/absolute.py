@@ -17,8 +17,19 @@ def sinusoidal_encoding(positions: jax.Array, d_model: int) -> jax.Array:
     return pe.reshape(*positions.shape, -1)[..., :d_model]
 
 
+def check_even_d_model(name: str, d_model: int) -> None:
+    """Sinusoid tables interleave sin and cos, so they need an even width."""
+    if d_model % 2:
+        raise ValueError(f"model.positional={name!r} needs an even d_model, got {d_model}")
+
+
 class SinusoidalPositions(PositionalScheme):
+    name = "sinusoidal"
     absolute = True
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        check_even_d_model(cls.name, cfg.d_model)
 
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.d_model = cfg.d_model
@@ -28,6 +39,7 @@ class SinusoidalPositions(PositionalScheme):
 
 
 class LearnedPositions(PositionalScheme):
+    name = "learned"
     absolute = True
 
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):

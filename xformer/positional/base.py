@@ -21,12 +21,29 @@ class PositionalScheme(nnx.Module):
     """Built as Scheme(cfg, num_layers, rngs=rngs) with cfg a model config (d_model, num_heads,
     max_len, dropout and the scheme's own fields)."""
 
+    name = "none"  # its model.positional value
     max_len: int | None = None  # the longest sequence the scheme can encode (None: any)
     absolute = False  # positions are added to the embeddings, so states cannot be reused
     # at other positions (no Transformer-XL memory)
+    own_options: tuple[str, ...] = ()  # model keys no other scheme may set (off their default)
 
     def __init__(self, cfg: Any, num_layers: int, *, rngs: nnx.Rngs):
         pass
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """Raise ValueError naming the model key when the scheme cannot serve `cfg`."""
+
+    @classmethod
+    def check_memory(cls, mem_len: int, key: str = "model.mem_len") -> None:
+        """Raise ValueError when a memory of `mem_len` states is asked for (by `key`) but the
+        scheme adds absolute positions to the embeddings, which would repeat across segments."""
+        if cls.absolute and mem_len:
+            raise ValueError(
+                f"a memory ({key}={mem_len}) cannot be used with model.positional={cls.name!r}: it "
+                "adds absolute positions to the embeddings, which repeat across segments; use a "
+                "relative scheme (relative, rope, t5_bias, alibi) or none"
+            )
 
     def embed(self, positions: jax.Array) -> jax.Array | None:
         """positions [B, L] -> encoding [B, L, d] added to the embeddings, or None."""
@@ -57,7 +74,7 @@ class PositionalScheme(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class BoundPositions:
+class BoundScheme:
     """A scheme bound to one call of an attention stack: what every layer's attention needs."""
 
     scheme: PositionalScheme
@@ -65,7 +82,7 @@ class BoundPositions:
     prepared: Any
 
     @classmethod
-    def bind(cls, scheme: PositionalScheme, layout: Layout) -> "BoundPositions":
+    def bind(cls, scheme: PositionalScheme, layout: Layout) -> "BoundScheme":
         return cls(scheme, layout, scheme.prepare(layout))
 
     def bias(self, q: jax.Array, k: jax.Array, layer: int) -> jax.Array | None:

@@ -22,11 +22,19 @@ def rotate(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Arr
 
 
 class RotaryPositions(PositionalScheme):
+    name = "rope"
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
-        head_dim = cfg.d_model // cfg.num_heads
-        if head_dim % 2:
-            raise ValueError(f"model.positional='rope' needs an even head size, got {head_dim}")
+        self.check_config(cfg)
         self.base = cfg.rope_base
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        head_dim = cfg.d_model // cfg.num_heads
+        if head_dim % 2 or cfg.rope_base <= 1:
+            raise ValueError(
+                f"model.positional='rope' needs an even head size (d_model / num_heads = "
+                f"{head_dim}) and model.rope_base > 1 (got {cfg.rope_base})"
+            )
 
     def rotate(self, x: jax.Array, start: int | jax.Array) -> jax.Array:
         return rotate(x, start + jnp.arange(x.shape[1]), self.base)

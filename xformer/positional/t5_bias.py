@@ -35,15 +35,21 @@ def relative_bucket(
 
 
 class T5RelativeBias(PositionalScheme):
+    name = "t5_bias"
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
+        self.check_config(cfg)
         self.num_buckets, self.max_distance = cfg.relative_buckets, cfg.relative_max_distance
-        if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 2:
-            raise ValueError(
-                "model.relative_buckets must be >= 4 and model.relative_max_distance > "
-                f"relative_buckets / 2; got {self.num_buckets}, {self.max_distance}"
-            )
         init = nnx.initializers.normal(0.02)
         self.table = nnx.Param(init(rngs.params(), (self.num_buckets, cfg.num_heads)))
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.relative_buckets < 4 or cfg.relative_max_distance <= cfg.relative_buckets // 2:
+            raise ValueError(
+                "model.positional='t5_bias' needs model.relative_buckets >= 4 and "
+                "model.relative_max_distance > relative_buckets / 2; got "
+                f"{cfg.relative_buckets}, {cfg.relative_max_distance}"
+            )
 
     def prepare(self, layout: Layout) -> jax.Array:
         buckets = relative_bucket(

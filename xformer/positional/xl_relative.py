@@ -18,7 +18,7 @@ from flax import nnx
 
 from xformer.dropout import Dropout
 from xformer.layout import Layout
-from xformer.positional.absolute import sinusoidal_encoding
+from xformer.positional.absolute import check_even_d_model, sinusoidal_encoding
 from xformer.positional.base import PositionalScheme
 
 
@@ -45,6 +45,13 @@ def relative_distances(layout: Layout) -> jax.Array:
 
 
 class XLRelativePositions(PositionalScheme):
+    name = "relative"
+    own_options = ("clamp_len", "untie_relative_biases")
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        check_even_d_model(cls.name, cfg.d_model)
+
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         d = cfg.d_model
         heads = (cfg.num_heads, d // cfg.num_heads)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -21,70 +22,41 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xformer import experiment as experiment_lib
+from xformer import model_config
 from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
 from xformer.data.readers import read_corpus
 from xformer.data.registry import LM_CORPORA
 from xformer.data.vocab import ByteVocab, CharVocab, WordVocab, build_vocab
-from xformer.language_model import LanguageModel, LMConfig, reset_memory
-
-
-def lm_config(config: ml_collections.ConfigDict, vocab_size: int) -> LMConfig:
-    m = config.model
-    return LMConfig(
-        vocab_size=vocab_size,
-        d_model=m.d_model,
-        num_heads=m.num_heads,
-        num_layers=m.num_decoder_layers,
-        d_ff=m.d_ff,
-        dropout=m.dropout,
-        attention_dropout=m.attention_dropout,
-        relu_dropout=m.relu_dropout,
-        positional=m.positional,
-        max_len=m.max_len,
-        pre_norm=m.layer_norm == "pre",
-        mask=m.decoder_mask,
-        attention_window=m.attention_window,
-        prefix_length=m.prefix_length,
-        clamp_len=m.clamp_len,
-        untie_relative_biases=m.untie_relative_biases,
-        rope_base=m.rope_base,
-        relative_buckets=m.relative_buckets,
-        relative_max_distance=m.relative_max_distance,
-        d_embed=m.d_embed,
-        adaptive_cutoffs=tuple(m.adaptive_cutoffs),
-        div_val=m.div_val,
-        tie_output=m.tie_output,
-        tie_projs=tuple(m.tie_projs),
-    )
+from xformer.language_model import LanguageModel, reset_memory
+from xformer.masks import MASK_SCHEMES
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
     """How a split is scored: rows, tokens per step, memory, mask and position settings.
-
-    prefix_lm models are scored with sliding windows whose prefix is context only."""
+    sliding_stride > 0: memoryless windows of segment_length tokens that score their last
+    sliding_stride tokens (a masking scheme may require this, e.g. prefix_lm)."""
 
     batch_size: int
     segment_length: int
     mem_len: int
     clamp_len: int
-    mask: str = "causal"
+    decoder_mask: str = "causal"
     sliding_stride: int = 0
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> "EvalSettings":
         m, e = config.model, config.eval
         length = e.segment_length or config.data.segment_length
-        stride = e.sliding_stride
-        if m.decoder_mask == "prefix_lm" and not stride:
-            stride = length - m.prefix_length + 1
+        mask = e.decoder_mask or m.decoder_mask
+        required = MASK_SCHEMES[mask].eval_stride(m, length)
         return cls(
             batch_size=e.batch_size,
             segment_length=length,
             mem_len=m.mem_len if e.mem_len < 0 else e.mem_len,
             clamp_len=m.clamp_len if e.clamp_len < 0 else e.clamp_len,
-            mask=e.decoder_mask or m.decoder_mask,
-            sliding_stride=stride,
+            decoder_mask=mask,
+            sliding_stride=e.sliding_stride or required,
         )
 
 
@@ -116,7 +88,7 @@ class LanguageModelingTask:
                 f"model.adaptive_cutoffs={tuple(cutoffs)} must be below the vocabulary size "
                 f"{len(self.vocab)} of {d.dataset}"
             )
-        model_cfg = lm_config(config, len(self.vocab))
+        model_cfg = model_config.from_config(config.model, vocab_size=len(self.vocab))
         self.exp = experiment_lib.setup(config, workdir, LanguageModel, model_cfg)
         self.mem_len = config.model.mem_len
         self.boundary_id = _boundary_id(self.vocab)
@@ -172,9 +144,10 @@ class LanguageModelingTask:
     def loss_terms(self, model, batch: dict, carry: dict) -> tuple[jax.Array, dict, dict]:
         memory = reset_memory(carry or None, batch["reset"])
         nll, memory = model(batch["inputs"], batch["targets"], memory)
-        weights = batch["weights"]
-        if model.cfg.mask == "prefix_lm":  # targets inside the prefix are visible to it
-            weights = weights.at[:, : model.cfg.prefix_length - 1].set(0)
+        # Leave out the leading targets the masking scheme lets the queries see (prefix_lm).
+        unscored = MASK_SCHEMES[model.cfg.decoder_mask].unscored_targets(model.cfg)
+        positions = np.arange(batch["weights"].shape[1])
+        weights = jnp.where(positions < unscored, 0, batch["weights"])
         nll_sum, tokens = (nll * weights).sum(), weights.sum()
         sums = {"nll_sum": nll_sum, "tokens": tokens, "input_tokens": batch["weights"].sum()}
         return nll_sum, sums, memory or {}
@@ -201,7 +174,9 @@ class LanguageModelingTask:
         """NLL of every token of `split` exactly once; perplexity and bits per token."""
         s = settings or EvalSettings.from_config(self.config)
         stream = self.stream(split)
-        model_cfg = dataclasses.replace(self.exp.model_cfg, clamp_len=s.clamp_len, mask=s.mask)
+        model_cfg = dataclasses.replace(
+            self.exp.model_cfg, clamp_len=s.clamp_len, decoder_mask=s.decoder_mask
+        )
         if s.sliding_stride:
             batches = sliding_windows(
                 stream, s.batch_size, s.segment_length, s.sliding_stride, self.boundary_id
@@ -221,7 +196,7 @@ class LanguageModelingTask:
         key = (model_cfg, s.sliding_stride)
         if key not in self._eval_steps:
             graphdef = self.exp.graphdef_for(model_cfg)
-            step_fn = functools.partial(_eval_step, graphdef, score_last=s.sliding_stride)
+            step_fn = functools.partial(eval_step, graphdef, score_last=s.sliding_stride or None)
             self._eval_steps[key] = jax.jit(step_fn)
         step = self._eval_steps[key]
         sums = []  # per-batch (nll, tokens) on device; summed in float64 at the end
@@ -264,15 +239,25 @@ def _boundary_id(vocab) -> int:
     return int(vocab.encode(" ")[0]) if " " in vocab.chars else 0
 
 
-def _eval_step(graphdef, params, rng_state, memory, batch: dict, *, score_last: int = 0):
-    """Summed NLL and token count of one batch, and the updated memory. With score_last > 0
-    (sliding windows) only the last score_last positions of each row go through the softmax."""
+def eval_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    rng_state: nnx.State,
+    memory: dict | None,
+    batch: dict,
+    *,
+    score_last: int | None = None,
+) -> tuple[jax.Array, jax.Array, dict | None]:
+    """(summed NLL, scored tokens, updated memory) of one batch ("inputs", "targets", "weights"
+    [B, L]; optional "reset" [B], "positions", "key_valid"). score_last: only the last this many
+    positions of each row go through the softmax (sliding windows); None scores every position.
+    """
     model = nnx.merge(graphdef, params, rng_state)
     extra = {k: batch[k] for k in ("positions", "key_valid") if k in batch}
     memory = reset_memory(memory, batch["reset"]) if "reset" in batch else memory
     hidden, memory = model.hidden(batch["inputs"], memory, **extra)
     targets, weights = batch["targets"], batch["weights"]
-    if score_last:
+    if score_last is not None:
         hidden, targets, weights = (x[:, -score_last:] for x in (hidden, targets, weights))
     nll = model.softmax.nll(hidden, targets)
     return (nll * weights).sum(), weights.sum(), memory

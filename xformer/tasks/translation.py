@@ -1,6 +1,5 @@
 """Translation with the encoder-decoder: packed training pairs, loss, validation BLEU."""
 
-import dataclasses
 import functools
 
 import jax
@@ -10,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from xformer import experiment as experiment_lib
+from xformer import model_config
 from xformer.bleu import bleu_report
 from xformer.data.pipeline import (
     EncodedPairs,
@@ -21,24 +21,10 @@ from xformer.data.pipeline import (
 from xformer.data.tokenizer import BOS_ID
 from xformer.data.translation import load_tokenizers, split_text
 from xformer.losses import cross_entropy
-from xformer.models import EncoderDecoder, TransformerConfig
+from xformer.models import EncoderDecoder
 from xformer.translate import Translator
 
 MODEL_INPUTS = ("src", "tgt_in", "src_segments", "tgt_segments", "src_positions", "tgt_positions")
-
-
-def model_config(
-    config: ml_collections.ConfigDict, src_vocab: int, tgt_vocab: int
-) -> TransformerConfig:
-    m = config.model
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    kwargs = {k: v for k, v in m.items() if k in fields}
-    return TransformerConfig(
-        src_vocab_size=src_vocab,
-        tgt_vocab_size=tgt_vocab,
-        pre_norm=m.layer_norm == "pre",
-        **kwargs,
-    )
 
 
 def loss_terms(model, batch: dict, label_smoothing: float) -> tuple[jax.Array, dict]:
@@ -84,7 +70,11 @@ class TranslationTask:
         self.src_tok, self.tgt_tok = load_tokenizers(
             config, workdir, train_if_missing=train_if_missing
         )
-        model_cfg = model_config(config, self.src_tok.vocab_size, self.tgt_tok.vocab_size)
+        model_cfg = model_config.from_config(
+            config.model,
+            src_vocab_size=self.src_tok.vocab_size,
+            tgt_vocab_size=self.tgt_tok.vocab_size,
+        )
         self.exp = experiment_lib.setup(config, workdir, EncoderDecoder, model_cfg)
         self._evaluator = None
 
