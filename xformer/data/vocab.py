@@ -52,11 +52,53 @@ def _by_frequency(counts: collections.Counter) -> list:
     return [key for key, _ in sorted(counts.items(), key=lambda item: -item[1])]
 
 
-class WordVocab:
+class SymbolVocab:
+    """A table of symbols, ``symbols[i]`` has id ``i``, saved one symbol per line in id order."""
+
+    separator = ""  # `decode` joins symbols with it
+
+    def __init__(self, symbols: Sequence[str]) -> None:
+        self.symbols: tuple[str, ...] = tuple(symbols)
+
+    @property
+    def size(self) -> int:
+        return len(self.symbols)
+
+    def __len__(self) -> int:
+        return len(self.symbols)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Returns the symbols of ``ids``, joined by ``separator``."""
+        return self.separator.join(self.symbols[i] for i in ids)
+
+    @staticmethod
+    def _to_line(symbol: str) -> str:
+        return symbol
+
+    @staticmethod
+    def _from_line(line: str) -> str:
+        return line
+
+    def save(self, path: str | Path) -> None:
+        """Writes one symbol per line, in id order (UTF-8)."""
+        lines = "".join(f"{self._to_line(s)}\n" for s in self.symbols)
+        Path(path).write_text(lines, encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> SymbolVocab:
+        """Reads a file written by ``save``."""
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        return cls([cls._from_line(line) for line in lines])
+
+
+class WordVocab(SymbolVocab):
     """Whitespace tokens of a corpus plus ``<eos>``; ``tokens[i]`` has id ``i``."""
 
+    separator = " "
+
     def __init__(self, tokens: Sequence[str]) -> None:
-        self.tokens: tuple[str, ...] = tuple(tokens)
+        super().__init__(tokens)
+        self.tokens = self.symbols
         self._ids = {token: i for i, token in enumerate(self.tokens)}
         if len(self._ids) != len(self.tokens):
             raise ValueError("vocabulary tokens are not unique")
@@ -91,13 +133,6 @@ class WordVocab:
                 ordered.append(UNK)
         return cls(ordered)
 
-    @property
-    def size(self) -> int:
-        return len(self.tokens)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     def __contains__(self, token: str) -> bool:
         return token in self._ids
 
@@ -118,19 +153,6 @@ class WordVocab:
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
     encode = encode_lines
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Returns the tokens of ``ids`` joined by spaces (for debugging)."""
-        return " ".join(self.tokens[i] for i in ids)
-
-    def save(self, path: str | Path) -> None:
-        """Writes one token per line, in id order (UTF-8)."""
-        Path(path).write_text("".join(f"{t}\n" for t in self.tokens), encoding="utf-8")
-
-    @classmethod
-    def load(cls, path: str | Path) -> WordVocab:
-        """Reads a file written by ``save``."""
-        return cls(Path(path).read_text(encoding="utf-8").splitlines())
 
     def __repr__(self) -> str:
         return f"WordVocab(size={self.size}, unk={self.unk_id is not None})"
@@ -167,11 +189,13 @@ def _code_points(text: str | bytes) -> np.ndarray:
     return np.frombuffer(text.decode("utf-8").encode("utf-32-le"), dtype=np.uint32)
 
 
-class CharVocab:
-    """The characters of a text; ``chars[i]`` has id ``i``."""
+class CharVocab(SymbolVocab):
+    """The characters of a text; ``chars[i]`` has id ``i``. Saved as decimal code points (a
+    character may be whitespace)."""
 
     def __init__(self, chars: Sequence[str]) -> None:
-        self.chars: tuple[str, ...] = tuple(chars)
+        super().__init__(chars)
+        self.chars = self.symbols
         if len(set(self.chars)) != len(self.chars) or any(len(c) != 1 for c in self.chars):
             raise ValueError("CharVocab needs distinct single characters")
         codes = np.array([ord(c) for c in self.chars], dtype=np.int64)
@@ -191,12 +215,13 @@ class CharVocab:
         order = present[np.argsort(-counts[present], kind="stable")]
         return cls([chr(c) for c in order])
 
-    @property
-    def size(self) -> int:
-        return len(self.chars)
+    @staticmethod
+    def _to_line(symbol: str) -> str:
+        return str(ord(symbol))
 
-    def __len__(self) -> int:
-        return len(self.chars)
+    @staticmethod
+    def _from_line(line: str) -> str:
+        return chr(int(line))
 
     def encode(self, text: str | bytes) -> np.ndarray:
         """Returns the int32 id stream of ``text`` (bytes are decoded as UTF-8)."""
@@ -206,19 +231,6 @@ class CharVocab:
             char = chr(codes[int(np.argmax(ids < 0))])
             raise ValueError(f"character {char!r} is not in the vocabulary")
         return ids
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Returns the characters of ``ids``."""
-        return "".join(self.chars[i] for i in ids)
-
-    def save(self, path: str | Path) -> None:
-        """Writes one decimal code point per line, in id order."""
-        Path(path).write_text("".join(f"{ord(c)}\n" for c in self.chars), encoding="ascii")
-
-    @classmethod
-    def load(cls, path: str | Path) -> CharVocab:
-        """Reads a file written by ``save``."""
-        return cls([chr(int(x)) for x in Path(path).read_text(encoding="ascii").split()])
 
     def __repr__(self) -> str:
         return f"CharVocab(size={self.size})"
