@@ -39,6 +39,7 @@ from absl import app, flags, logging
 from xformer import compare as compare_lib
 from xformer import experiment as experiment_lib
 from xformer.bleu import bleu_report
+from xformer.files import write_json
 from xformer.data.text import read_parallel_files, read_text_lines
 from xformer.data.translation import split_text
 from xformer.tasks import make_task
@@ -113,8 +114,7 @@ def main(argv):
         result = evaluate_language_model(config, workdir)
     else:
         result = evaluate_translation(config, workdir)
-    with open(os.path.join(workdir, f"eval_{result['name']}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(os.path.join(workdir, f"eval_{result['name']}.json"), result)
     print(json.dumps(result, indent=2))
 
 
