@@ -39,9 +39,9 @@ from absl import app, flags, logging
 from xformer import compare as compare_lib
 from xformer import experiment as experiment_lib
 from xformer.bleu import bleu_report
-from xformer.files import write_json
 from xformer.data.text import read_parallel_files, read_text_lines
 from xformer.data.translation import split_text
+from xformer.files import write_json
 from xformer.tasks import make_task
 from xformer.tasks.language_modeling import EvalSettings
 
