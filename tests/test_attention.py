@@ -12,6 +12,8 @@ from xformer.layout import Layout
 from xformer.models import EncoderDecoder, TransformerConfig
 from xformer.positional import SCHEMES
 
+SLOW = pytest.mark.slow  # heavy variants: `pytest -m "not slow"` keeps a representative few
+
 
 def numpy_attention(q, k, v, mask):
     """Loop-free but fully explicit reference: softmax over allowed keys only."""
@@ -70,6 +72,13 @@ def test_self_attention_module_matches_numpy():
     np.testing.assert_allclose(attn(jnp.asarray(x), jnp.asarray(mask)), ref, rtol=1e-4, atol=1e-5)
 
 
+def jitted(model):
+    """model(...) compiled as one program: calling a model eagerly, op by op, is slow."""
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda state, *a, **k: nnx.merge(graphdef, state)(*a, **k))
+    return lambda *a, **k: fn(state, *a, **k)
+
+
 def tiny_model(seed: int, **overrides) -> EncoderDecoder:
     cfg = TransformerConfig(
         src_vocab_size=40,
@@ -112,15 +121,19 @@ def test_no_information_from_future_or_padding(pre_norm, positional):
     assert np.abs(out[:, 4:] - base[:, 4:]).max() > 1e-3  # and the future does change
 
 
-@pytest.mark.parametrize("positional", SCHEMES)
+@pytest.mark.parametrize(  # fast: one absolute and one relative scheme
+    "positional",
+    [p if p in ("sinusoidal", "relative") else pytest.param(p, marks=SLOW) for p in SCHEMES],
+)
 def test_packed_rows_equal_separate_examples(positional):
     """Two pairs packed into one row give the same logits as each pair alone."""
     rng = np.random.default_rng()
     model = tiny_model(int(rng.integers(1e6)), positional=positional)
+    call = jitted(model)
     s1, s2 = rng.integers(4, 40, 5), rng.integers(4, 40, 3)
     t1, t2 = rng.integers(4, 40, 4), rng.integers(4, 40, 6)
     alone = [
-        np.asarray(model(jnp.asarray(s[None]), jnp.asarray(t[None])))[0]
+        np.asarray(call(jnp.asarray(s[None]), jnp.asarray(t[None])))[0]
         for s, t in ((s1, t1), (s2, t2))
     ]
     src = jnp.asarray(np.concatenate([s1, s2, [0, 0]])[None])
@@ -128,7 +141,7 @@ def test_packed_rows_equal_separate_examples(positional):
     src_seg = jnp.asarray([[1] * 5 + [2] * 3 + [0, 0]])
     tgt_seg = jnp.asarray([[1] * 4 + [2] * 6 + [0]])
     packed = np.asarray(
-        model(
+        call(
             src,
             tgt,
             src_seg,
@@ -141,12 +154,19 @@ def test_packed_rows_equal_separate_examples(positional):
     np.testing.assert_allclose(packed[4:10], alone[1], atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "positional,overrides",
-    [(name, {}) for name in SCHEMES]
+@pytest.mark.parametrize(  # fast: an absolute scheme, XL's relative one and both sliding windows
+    "positional,overrides",  # (every relative scheme's decode step: test_positional.py, fast)
+    [
+        (n, {}) if n in ("sinusoidal", "relative") else pytest.param(n, {}, marks=SLOW)
+        for n in SCHEMES
+    ]
     + [
-        ("rope", {"layer_norm": "pre"}),
-        ("relative", {"layer_norm": "pre", "untie_relative_biases": True, "clamp_len": 3}),
+        pytest.param("rope", {"layer_norm": "pre"}, marks=SLOW),
+        pytest.param(
+            "relative",
+            {"layer_norm": "pre", "untie_relative_biases": True, "clamp_len": 3},
+            marks=SLOW,
+        ),
         ("alibi", {"decoder_mask": "sliding_window", "attention_window": 3}),
         ("t5_bias", {"encoder_mask": "sliding_window", "attention_window": 2}),
     ],

@@ -55,6 +55,7 @@ def test_unknown_variants_and_override_keys_are_named():
         config_lib.override(module.get_config(), {"model.positionl": "rope"})
 
 
+@pytest.mark.slow
 def test_wmt14_base_model_trains_on_multi30k_data(tmp_path, tfds_dir, multi30k_dir):
     config = load(Path(__file__).resolve().parents[1] / "configs" / "wmt14_ende.py").get_config()
     multi30k = load(Path(__file__).resolve().parents[1] / "configs" / "multi30k_ende.py")

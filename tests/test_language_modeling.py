@@ -56,6 +56,13 @@ def tiny_config(tfds_dir, **overrides):
     return c
 
 
+def jitted(model):
+    """model(...) compiled as one program: calling a model eagerly, op by op, is slow."""
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args))
+    return lambda *args: fn(state, *args)
+
+
 def _params(task, seed=0):
     model = task.exp.make_model(nnx.Rngs(seed))
     return nnx.state(model, nnx.Param), jax.device_put(task.exp.rng_state, task.exp.replicated)
@@ -70,7 +77,7 @@ def test_xl_score_equals_one_pass_over_each_row(tmp_path, tfds_dir, ptb, batch_s
     settings = EvalSettings(batch_size, 10, mem_len=200, clamp_len=0)
     result = task.score(params, rng_state, "short", settings)
 
-    model = nnx.merge(task.exp.eval_graphdef, params, task.exp.rng_state)
+    model = jitted(nnx.merge(task.exp.eval_graphdef, params, task.exp.rng_state))
     inputs = np.concatenate([[task.boundary_id], stream[:-1]])
     row_len = -(-len(stream) // batch_size)
     total = 0.0
@@ -95,17 +102,21 @@ def test_vanilla_sliding_window_equals_per_token_passes(tmp_path, tfds_dir, ptb)
     settings = EvalSettings(4, window, mem_len=0, clamp_len=0, sliding_stride=1)
     result = task.score(params, rng_state, "short", settings)
 
-    model = nnx.merge(task.exp.eval_graphdef, params, task.exp.rng_state)
+    model = jitted(nnx.merge(task.exp.eval_graphdef, params, task.exp.rng_state))
     inputs = np.concatenate([[task.boundary_id], stream[:-1]])
-    total = 0.0
-    for t in range(len(stream)):
-        start = max(0, t - window + 1)
-        nll, _ = model(inputs[None, start : t + 1], stream[None, start : t + 1])
-        total += float(nll[0, -1])
+    # One pass per token t over the window of up to `window` tokens that ends at t, positions
+    # from 0, all passes in one batch: row t holds the `window` tokens from the window's start
+    # and is read at t (for t < window - 1 the tokens after t are unseen: the model is causal).
+    t = np.arange(len(stream))
+    starts = np.maximum(0, t - window + 1)
+    rows = starts[:, None] + np.arange(window)
+    nll, _ = model(inputs[rows], stream[rows])
+    total = float(np.sum(np.asarray(nll)[t, t - starts], dtype=np.float64))
     assert result["tokens"] == len(stream)
     assert result["nll"] == pytest.approx(total / len(stream), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_tiny_xl_overfits_a_short_real_text(tmp_path, tfds_dir, ptb):
     task = make_task(tiny_config(tfds_dir), str(tmp_path))
     text = task.stream("train")[:1025]
@@ -168,6 +179,7 @@ def losses(workdir) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
+@pytest.mark.slow
 def test_train_resume_and_eval_every_token(tmp_path, tfds_dir, ptb):
     first = run(train_cmd(tmp_path / "run", tfds_dir, "--config.train.num_steps=3"))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -204,6 +216,7 @@ def test_train_resume_and_eval_every_token(tmp_path, tfds_dir, ptb):
     assert bad.returncode != 0 and "--beam_size is for encoder_decoder" in bad.stderr
 
 
+@pytest.mark.slow
 def test_four_simulated_devices_match_one_with_memory(tmp_path, tfds_dir, ptb):
     # Long eval segments: few cross-device reductions in the final validation pass (XLA's CPU
     # collectives can starve on a loaded 2-core machine when there are hundreds of them).

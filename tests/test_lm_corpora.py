@@ -108,7 +108,9 @@ def test_stream_split_bounds_match_transformer_xl():
 # --------------------------------------------------------------------------- real data
 
 
-@pytest.mark.parametrize("name", list(REAL))
+@pytest.mark.parametrize(  # fast: PTB (the others take as long, through the same builder)
+    "name", [n if n == "ptb" else pytest.param(n, marks=pytest.mark.slow) for n in REAL]
+)
 def test_real_corpus(name, lm_data_dir):
     folder, pattern, expected_tokens, vocab_size = REAL[name]
     root = SHARED / folder

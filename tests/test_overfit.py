@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from xformer.data.pipeline import EncodedPairs
@@ -21,6 +22,7 @@ def _lines(path, n):
         return [next(f).rstrip("\n") for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_tiny_model_overfits_real_pairs(multi30k_dir, tmp_path):
     en = _lines(multi30k_dir / "raw" / "train.en.gz", 3000)
     de = _lines(multi30k_dir / "raw" / "train.de.gz", 3000)

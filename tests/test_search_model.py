@@ -1,5 +1,6 @@
 """Search with the real model: cached greedy = uncached greedy; beam size 1 = greedy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -34,17 +35,23 @@ def _src(rng):
 
 
 def uncached_greedy(model, src, max_len):
-    """Re-run the full decoder on the whole prefix at every step: no cache at all."""
-    tokens = np.full((src.shape[0], 1), BOS_ID)
+    """Re-run the full decoder on the whole prefix at every step: no cache at all. One jitted
+    forward over a fixed [B, max_len] buffer that is PAD after the prefix; step t reads the
+    logits at position t (the decoder is causal and PAD keys are masked)."""
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, src, tgt: nnx.merge(graphdef, state)(src, tgt))
+    tokens = np.full((src.shape[0], max_len), PAD_ID)
+    tokens[:, 0] = BOS_ID
     done = np.zeros(src.shape[0], bool)
     out = []
-    for _ in range(max_len):
-        logits = np.array(model(src, jnp.asarray(tokens)))[:, -1]
+    for t in range(max_len):
+        logits = np.array(forward(state, src, jnp.asarray(tokens)))[:, t]
         logits[:, [PAD_ID, BOS_ID]] = -np.inf  # as ban_tokens does
         nxt = np.where(done, PAD_ID, logits.argmax(-1))
         out.append(nxt)
         done |= nxt == EOS_ID
-        tokens = np.concatenate([tokens, nxt[:, None]], 1)
+        if t + 1 < max_len:
+            tokens[:, t + 1] = nxt
     return np.stack(out, 1)
 
 

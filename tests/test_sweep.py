@@ -288,6 +288,7 @@ def _files(workdir: Path) -> dict[str, int]:
     return {n: (workdir / n).stat().st_mtime_ns for n in names if (workdir / n).exists()}
 
 
+@pytest.mark.slow
 def test_sweep_skips_finished_points_and_resumes_the_rest(swept, capfd):
     path, root = swept
     a, b = root / NAMES[0], root / NAMES[1]
@@ -337,6 +338,7 @@ def _true_num_params(workdir: Path) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+@pytest.mark.slow
 def test_compare_the_two_runs(swept):
     _, root = swept
     result = run(["eval.py", f"--compare={root}/*"])

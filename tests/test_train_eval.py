@@ -71,6 +71,7 @@ def checkpoint_steps(workdir) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
+@pytest.mark.slow
 def test_kill_resume_then_eval(tmp_path, tfds_dir, multi30k_dir):
     workdir = tmp_path / "run"
     # Interrupted: kill -9 once a checkpoint exists, then restart with the same workdir.
@@ -154,6 +155,7 @@ def test_kill_resume_then_eval(tmp_path, tfds_dir, multi30k_dir):
     assert len(Path(report["output"]).read_text(encoding="utf-8").splitlines()) == 461
 
 
+@pytest.mark.slow
 def test_four_simulated_devices_match_one(tmp_path, tfds_dir, multi30k_dir):
     """Data parallelism over 4 CPU devices computes the same losses as 1 device."""
     args = [

@@ -78,32 +78,43 @@ def test_memory_masks_follow_the_paper():
     np.testing.assert_array_equal(full.sum(-1), 8)  # same_length: every query sees mem_len keys
 
 
+def jitted(model, method="__call__"):
+    """model.<method> compiled as one program: calling a model eagerly, op by op, is slow."""
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda state, *a, **k: getattr(nnx.merge(graphdef, state), method)(*a, **k))
+    return lambda *a, **k: fn(state, *a, **k)
+
+
 def _tokens(seed, shape, vocab=TINY.vocab_size):
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
 
 
-@pytest.mark.parametrize(
-    "overrides",
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(  # fast: XL's scheme, adaptive softmax, a sliding window (every
+    "overrides",  # relative scheme's attention over a memory: test_positional.py, fast)
     [
         {},
-        {"layer_norm": "pre", "untie_relative_biases": True},
+        pytest.param({"layer_norm": "pre", "untie_relative_biases": True}, marks=SLOW),
         {"adaptive_cutoffs": (10, 20), "div_val": 2},
-        {"positional": "rope"},
-        {"positional": "t5_bias"},
-        {"positional": "alibi"},
-        {"positional": "none"},
+        pytest.param({"positional": "rope"}, marks=SLOW),
+        pytest.param({"positional": "t5_bias"}, marks=SLOW),
+        pytest.param({"positional": "alibi"}, marks=SLOW),
+        pytest.param({"positional": "none"}, marks=SLOW),
         {"positional": "rope", "decoder_mask": "sliding_window", "attention_window": 5},
     ],
 )
 def test_recurrence_equals_one_pass_over_the_concatenation(overrides):
     cfg = dataclasses.replace(TINY, **overrides)
     model = LanguageModel(cfg, rngs=nnx.Rngs(3))
+    call = jitted(model)
     tokens, targets = _tokens(4, (2, 11)), _tokens(5, (2, 11))
-    full, _ = model(tokens, targets)
+    full, _ = call(tokens, targets)
     memory = model.init_memory(2, mem_len=9)  # longer than the first two segments together
     pieces = []
     for start, stop in [(0, 3), (3, 7), (7, 11)]:
-        nll, memory = model(tokens[:, start:stop], targets[:, start:stop], memory)
+        nll, memory = call(tokens[:, start:stop], targets[:, start:stop], memory)
         pieces.append(nll)
     np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(memory["filled"], [9, 9])
@@ -113,11 +124,13 @@ def test_memory_keeps_the_most_recent_states():
     model = LanguageModel(TINY, rngs=nnx.Rngs(6))
     tokens = _tokens(7, (1, 10))
     memory = model.init_memory(1, mem_len=4)
-    _, memory = model.hidden(tokens[:, :6], memory)
-    _, memory = model.hidden(tokens[:, 6:], memory)
+    hidden = jitted(model, "hidden")
+    _, memory = hidden(tokens[:, :6], memory)
+    _, memory = hidden(tokens[:, 6:], memory)
     # Layer 0's memory holds the last 4 input embeddings (not the first ones: the argument
     # order bug of the original `_update_mems` would keep the wrong window when ext_len > 0).
-    np.testing.assert_allclose(memory["states"][0, 0], model.embed(tokens[:, 6:])[0], atol=1e-6)
+    embedded = jitted(model, "embed")(tokens[:, 6:])[0]
+    np.testing.assert_allclose(memory["states"][0, 0], embedded, atol=1e-6)
 
 
 def test_no_gradient_reaches_the_previous_segment():
@@ -136,10 +149,11 @@ def test_no_gradient_reaches_the_previous_segment():
         return nll.sum()
 
     m = nnx.merge(graphdef, params, rng_state)
-    _, memory = m(tokens[:, :4], targets[:, :4], m.init_memory(2, 4))
+    _, memory = jitted(m)(tokens[:, :4], targets[:, :4], m.init_memory(2, 4))
     constant = jax.tree.map(np.asarray, memory)
-    through = jax.grad(second_segment_loss)(params)
-    constant_grads = jax.grad(second_segment_loss)(params, constant)
+    grad = jax.jit(jax.grad(second_segment_loss))
+    through = grad(params)
+    constant_grads = grad(params, constant)
     for a, b in zip(jax.tree.leaves(through), jax.tree.leaves(constant_grads), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(through))
@@ -149,6 +163,7 @@ def test_same_length_and_clamp_change_only_what_they_should():
     model = LanguageModel(TINY, rngs=nnx.Rngs(11))
     tokens, targets = _tokens(12, (2, 6)), _tokens(13, (2, 6))
     _, state = nnx.split(model)
+    call = jitted(model)
     for overrides in ({"clamp_len": 100}, {"decoder_mask": "same_length"}):
         # clamp beyond every distance, or a window wider than the context: no change
         variant = nnx.merge(
@@ -156,15 +171,15 @@ def test_same_length_and_clamp_change_only_what_they_should():
             state,
         )
         memory = variant.init_memory(2, 8)
-        a, _ = variant(tokens, targets, memory)
-        b, _ = model(tokens, targets, model.init_memory(2, 8))
+        a, _ = jitted(variant)(tokens, targets, memory)
+        b, _ = call(tokens, targets, model.init_memory(2, 8))
         np.testing.assert_allclose(a, b, atol=1e-6)
     clamped = nnx.merge(
         nnx.split(LanguageModel(dataclasses.replace(TINY, clamp_len=1), rngs=nnx.Rngs(0)))[0],
         state,
     )
-    a, _ = clamped(tokens, targets)
-    b, _ = model(tokens, targets)
+    a, _ = jitted(clamped)(tokens, targets)
+    b, _ = call(tokens, targets)
     np.testing.assert_allclose(a[:, :2], b[:, :2], atol=1e-6)  # distances <= 1 only
     assert np.abs(np.asarray(a[:, 2:] - b[:, 2:])).max() > 1e-4
 
@@ -172,17 +187,18 @@ def test_same_length_and_clamp_change_only_what_they_should():
 def test_vanilla_model_is_causal_and_uses_absolute_positions():
     cfg = dataclasses.replace(TINY, positional="sinusoidal")
     model = LanguageModel(cfg, rngs=nnx.Rngs(14))
+    call = jitted(model)
     tokens, targets = _tokens(15, (2, 9)), _tokens(16, (2, 9))
-    full = np.asarray(model(tokens, targets)[0])
+    full = np.asarray(call(tokens, targets)[0])
     changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % cfg.vocab_size)
-    after = np.asarray(model(changed, targets)[0])
+    after = np.asarray(call(changed, targets)[0])
     np.testing.assert_allclose(after[:, :6], full[:, :6], atol=1e-6)
     assert np.abs(after[:, 6:] - full[:, 6:]).max() > 1e-4
     # Left padding hidden by key_valid and positions restarting at 0 give the unpadded result.
     padded = jnp.concatenate([jnp.zeros((2, 3), jnp.int32), tokens], 1)
     positions = jnp.broadcast_to(jnp.maximum(jnp.arange(12) - 3, 0), (2, 12))
     valid = jnp.broadcast_to(jnp.arange(12) >= 3, (2, 12))
-    out = model(
+    out = call(
         padded, jnp.concatenate([targets[:, :3], targets], 1), positions=positions, key_valid=valid
     )[0]
     np.testing.assert_allclose(np.asarray(out)[:, 3:], full, atol=1e-5)
@@ -193,8 +209,8 @@ def test_vanilla_model_is_causal_and_uses_absolute_positions():
 def test_log_probs_are_normalised_and_match_nll():
     model = LanguageModel(dataclasses.replace(TINY, adaptive_cutoffs=(12,)), rngs=nnx.Rngs(17))
     tokens, targets = _tokens(18, (2, 5)), _tokens(19, (2, 5))
-    log_probs = model.log_probs(tokens)
+    log_probs = jitted(model, "log_probs")(tokens)
     np.testing.assert_allclose(jax.scipy.special.logsumexp(log_probs, -1), 0.0, atol=1e-5)
-    nll, _ = model(tokens, targets)
+    nll, _ = jitted(model)(tokens, targets)
     gathered = -jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(nll, gathered, atol=1e-5)
