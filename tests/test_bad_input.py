@@ -71,6 +71,7 @@ def test_d_model_not_divisible_by_heads(tmp_path):
         ("model.dropout", 1.5, "model.dropout must be in"),
         ("data.vocab", "separate", "share_embeddings=True needs data.vocab='joint'"),
         ("model.d_model", "big", "must be int"),
+        ("model.num_heads", 0, "model.num_heads must be positive, got 0"),
     ],
 )
 def test_invalid_values_and_combinations(key, value, message):

@@ -198,20 +198,20 @@ def _validate_model(m: ml_collections.ConfigDict) -> model_config.StackConfig:
         if name in own:
             shared = name in model_config.StackConfig.fields()
             model_config.check_value(name, own[name], m[name], "" if shared else m.family)
-        elif not _same(m[name], field.default):
+        elif not same_value(m[name], field.default):
             owners = [f for f, cls in model_config.FAMILIES.items() if name in cls.fields()]
             raise ValueError(
                 f"model.{name} is for {' and '.join(owners)} models; a {m.family} model has none "
                 f"(it is {m[name]!r}, leave it at {field.default!r})"
             )
     cfg = model_config.from_config(m)
+    for key in ("d_model", "num_heads", "d_ff", "max_len"):
+        if m[key] <= 0:
+            raise ValueError(f"model.{key} must be positive, got {m[key]}")
     if cfg.d_model % cfg.num_heads:
         raise ValueError(
             f"model.d_model={cfg.d_model} must be divisible by model.num_heads={cfg.num_heads}"
         )
-    for key in ("d_model", "num_heads", "d_ff", "max_len"):
-        if m[key] <= 0:
-            raise ValueError(f"model.{key} must be positive, got {m[key]}")
     for key in ("dropout", "attention_dropout", "relu_dropout"):
         if not 0.0 <= m[key] < 1.0:
             raise ValueError(f"model.{key} must be in [0, 1), got {m[key]}")
@@ -230,10 +230,11 @@ def _validate_model(m: ml_collections.ConfigDict) -> model_config.StackConfig:
     return cfg
 
 
-def _same(value, default) -> bool:
-    if isinstance(default, tuple):
-        return isinstance(value, tuple | list) and tuple(value) == default
-    return value == default and isinstance(value, bool) == isinstance(default, bool)
+def same_value(value: Any, wanted: Any) -> bool:
+    """Equal config values: tuples and lists (JSON) compare by items, True is not 1."""
+    if isinstance(wanted, tuple | list):
+        return isinstance(value, tuple | list) and list(value) == list(wanted)
+    return value == wanted and isinstance(value, bool) == isinstance(wanted, bool)
 
 
 def _validate_language_model(config: ml_collections.ConfigDict, cfg) -> None:

@@ -45,7 +45,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from xformer import launch
-from xformer.config import validate
+from xformer.config import same_value, validate
 from xformer.files import read_json_if_present
 from xformer.train_lib import DONE_FILE
 
@@ -182,12 +182,6 @@ def load(path: str) -> Sweep:
     return Sweep(base=_resolve_base(module.BASE), points=points, names=point_names(points))
 
 
-def _same(parsed: Any, wanted: Any) -> bool:
-    if isinstance(wanted, tuple | list):
-        return isinstance(parsed, tuple | list) and list(parsed) == list(wanted)
-    return parsed == wanted and isinstance(parsed, bool) == isinstance(wanted, bool)
-
-
 def point_config(base: str, point: Point) -> ml_collections.ConfigDict:
     """The config train.py builds from `--config=<base>` and the point's overrides, parsed by
     the same ml_collections flag machinery and validated; raises ValueError naming the key."""
@@ -205,7 +199,7 @@ def point_config(base: str, point: Point) -> ml_collections.ConfigDict:
         parsed = config[key.split(".")[0]]
         for part in key.split(".")[1:]:
             parsed = parsed[part]
-        if not _same(parsed, value):
+        if not same_value(parsed, value):
             raise ValueError(
                 f"--config.{key}={format_value(value)} parses to {parsed!r}, not {value!r}"
             )

@@ -26,6 +26,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 class ALiBi(PositionalScheme):
     name = "alibi"
+
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
 

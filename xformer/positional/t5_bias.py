@@ -36,6 +36,7 @@ def relative_bucket(
 
 class T5RelativeBias(PositionalScheme):
     name = "t5_bias"
+
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.check_config(cfg)
         self.num_buckets, self.max_distance = cfg.relative_buckets, cfg.relative_max_distance
