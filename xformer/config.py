@@ -10,6 +10,7 @@ values and meanings live there; masking and positional schemes check their own r
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import ml_collections
 
 from xformer import masks, model_config, positional
@@ -66,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 1000  # validation loss and BLEU
     c.train.checkpoint_every = 1000
     c.train.keep_checkpoints = 2
+    c.train.profile_steps = ""  # "100:105": jax.profiler trace of steps 100-104 (workdir/profile)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.batch_size = 64  # sentences per decoding batch
@@ -212,6 +214,8 @@ def _validate_model(m: ml_collections.ConfigDict) -> model_config.StackConfig:
         raise ValueError(
             f"model.d_model={cfg.d_model} must be divisible by model.num_heads={cfg.num_heads}"
         )
+    if "float64" in (m.dtype, m.param_dtype) and not jax.config.jax_enable_x64:
+        raise ValueError("model.dtype/param_dtype 'float64' needs JAX_ENABLE_X64=1 (environment)")
     for key in ("dropout", "attention_dropout", "relu_dropout"):
         if not 0.0 <= m[key] < 1.0:
             raise ValueError(f"model.{key} must be in [0, 1), got {m[key]}")
@@ -279,6 +283,8 @@ def _validate_language_model(config: ml_collections.ConfigDict, cfg) -> None:
     cutoffs = list(m.adaptive_cutoffs)
     if cutoffs != sorted(set(cutoffs)) or any(c <= 0 for c in cutoffs):
         raise ValueError(f"model.adaptive_cutoffs must be increasing and positive, got {cutoffs}")
+    if not 0.0 <= m.adaptive_capacity <= 1.0:
+        raise ValueError(f"model.adaptive_capacity must be in [0, 1], got {m.adaptive_capacity}")
     if m.div_val < 1:
         raise ValueError(f"model.div_val must be >= 1, got {m.div_val}")
     if m.tie_projs and len(m.tie_projs) != len(cutoffs) + 1:

@@ -49,6 +49,21 @@ class StackConfig:
         "post", "post: the paper; pre: LayerNorm inside the residual", ("post", "pre")
     )
     tie_output: bool = option(True, "output projection = (target) embedding transposed")
+    dtype: str = option(
+        "float32",
+        "activations and matmuls (norm statistics, softmaxes and the loss stay >= float32; "
+        "float64 needs JAX_ENABLE_X64=1)",
+        ("float32", "bfloat16", "float64"),
+    )
+    param_dtype: str = option(
+        "float32", "stored parameters (and optimizer state)", ("float32", "bfloat16", "float64")
+    )
+    attention_impl: str = option(
+        "xla",
+        "xla: einsum attention (the reference); fused: jax.nn.dot_product_attention, cuDNN "
+        "flash attention on GPU where it can serve, XLA elsewhere",
+        ("xla", "fused"),
+    )
 
     @classmethod
     def fields(cls) -> dict[str, dataclasses.Field]:
@@ -92,6 +107,11 @@ class LMConfig(StackConfig):
     adaptive_cutoffs: tuple[int, ...] = option((), "adaptive softmax cutoffs; () = plain")
     div_val: int = option(1, "adaptive: cluster i embeds in d_embed // div_val**i dims")
     tie_projs: tuple[bool, ...] = option((), "adaptive: per cluster, tie the projections")
+    adaptive_capacity: float = option(
+        0.0,
+        "adaptive softmax: each tail cluster scores at most this fraction of the positions "
+        "(those whose target is in it); a batch that overflows is scored densely (0 = dense)",
+    )
 
     @property
     def num_layers(self) -> int:
