@@ -7,6 +7,7 @@ values and meanings live there; masking and positional schemes check their own r
 (masks.MaskScheme.check, PositionalScheme.check_config / check_memory).
 """
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,7 +68,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 1000  # validation loss and BLEU
     c.train.checkpoint_every = 1000
     c.train.keep_checkpoints = 2
-    c.train.profile_steps = ""  # "100:105": jax.profiler trace of steps 100-104 (workdir/profile)
+    # "100:105": a jax.profiler trace of the steps with counter 100..104 (logged as steps 101-105)
+    # in <workdir>/profile, for TensorBoard's profile plugin or Perfetto ("" = off)
+    c.train.profile_steps = ""
 
     c.eval = ml_collections.ConfigDict()
     c.eval.batch_size = 64  # sentences per decoding batch
@@ -183,10 +186,31 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for key in ("batch_size", "num_steps", "log_every", "eval_every", "checkpoint_every"):
         if t[key] <= 0:
             raise ValueError(f"train.{key} must be positive, got {t[key]}")
+    profile = profile_range(t.profile_steps)
+    if profile and profile[1] > t.num_steps:
+        raise ValueError(
+            f"train.profile_steps={t.profile_steps!r} goes beyond train.num_steps={t.num_steps}: "
+            "stop is exclusive and at most num_steps (step counters run from 0 to num_steps - 1)"
+        )
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ValueError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     if config.eval.beam_size < 1:
         raise ValueError(f"eval.beam_size must be >= 1, got {config.eval.beam_size}")
+
+
+def profile_range(value: str) -> tuple[int, int] | None:
+    """train.profile_steps "start:stop" -> (start, stop): the steps that run with the train
+    state's step counter in [start, stop), counted from 0 (logged as steps start+1 .. stop);
+    "" -> None (off). Raises ValueError naming the key."""
+    if value == "":
+        return None
+    match = re.fullmatch(r"(\d+):(\d+)", value)
+    if not match or int(match[1]) >= int(match[2]):
+        raise ValueError(
+            f"train.profile_steps={value!r} must be 'start:stop' with integers 0 <= start < stop "
+            "(e.g. '100:105'), or '' (off)"
+        )
+    return int(match[1]), int(match[2])
 
 
 def _validate_model(m: ml_collections.ConfigDict) -> model_config.StackConfig:

@@ -1,6 +1,7 @@
 """The training loop: jit-compiled data-parallel steps, metrics, evaluation, checkpoints."""
 
 import functools
+import glob
 import os
 import time
 
@@ -12,6 +13,7 @@ import optax
 from absl import logging
 from flax import nnx
 
+from xformer import config as config_lib
 from xformer import experiment as experiment_lib
 from xformer.files import write_json
 from xformer.metric_writer import MetricWriter
@@ -21,6 +23,7 @@ from xformer.timing import TrainClock, format_duration
 
 RUN_INFO_FILE = "run_info.json"  # written at the start of every train.py run
 DONE_FILE = "done.json"  # written when training reached num_steps or max_train_seconds
+PROFILE_DIR = "profile"  # train.profile_steps: jax.profiler traces under <workdir>/profile
 
 
 def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[dict, dict]:
@@ -46,6 +49,76 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
     }
     metrics = {"loss_sum": loss_sum, **sums, "grad_norm": optax.tree_utils.tree_norm(grads)}
     return new_state, metrics
+
+
+class StepProfiler:
+    """A jax.profiler trace of the train steps whose step counter is in [start, stop)
+    (train.profile_steps "start:stop"), written to <workdir>/profile/plugins/profile/<time>/:
+    <host>.xplane.pb for TensorBoard's profile plugin (`tensorboard --logdir <workdir>`) and
+    perfetto_trace.json.gz for ui.perfetto.dev. Every traced step is a finished step: the trace
+    starts once the earlier steps are done and stops once the last traced step's outputs are.
+
+    A run resumed at step k with start < k < stop traces the rest of the range, [k, stop); one
+    resumed at k >= stop traces nothing (a log line says so). Starting and stopping the trace
+    (which writes the files) is left out of the training clock.
+    """
+
+    def __init__(self, profile_steps: str, workdir: str, first_step: int, clock: TrainClock):
+        self.log_dir = os.path.join(workdir, PROFILE_DIR)
+        self.clock, self.tracing = clock, False
+        self.start = self.stop = self.done = -1  # done: the counter after the last traced step
+        steps = config_lib.profile_range(profile_steps)
+        if steps is None:
+            return
+        if first_step >= steps[1]:
+            logging.info(
+                "train.profile_steps=%s: no trace, this run starts at step %d (resumed)",
+                profile_steps,
+                first_step,
+            )
+            return
+        if first_step > steps[0]:
+            logging.info(
+                "train.profile_steps=%s: resumed at step %d, tracing steps %d:%d",
+                profile_steps,
+                first_step,
+                first_step,
+                steps[1],
+            )
+        self.start, self.stop = max(steps[0], first_step), steps[1]
+
+    def before_step(self, step: int, state) -> None:
+        """Called with the step counter before the step runs and the state it runs on."""
+        if step == self.start:
+            jax.block_until_ready(state)  # the earlier steps finish outside the trace
+            with self.clock.paused():
+                jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
+            self.tracing = True
+
+    def after_step(self, step: int, outputs) -> None:
+        """Called with the step counter after the step and the step's outputs."""
+        if self.tracing:
+            self.done = step
+            if step >= self.stop:
+                jax.block_until_ready(outputs)  # the last traced step is complete in the trace
+                self.close()
+
+    def close(self) -> None:
+        """Stop a running trace (at the end of the range, or when training stops inside it)."""
+        if not self.tracing:
+            return
+        self.tracing = False
+        with self.clock.paused():
+            jax.profiler.stop_trace()
+        runs = glob.glob(os.path.join(self.log_dir, "plugins", "profile", "*"))
+        logging.info(
+            "profile of steps %d:%d written to %s (view: tensorboard --logdir %s, profile tab; "
+            "or open its perfetto_trace.json.gz in ui.perfetto.dev)",
+            self.start,
+            self.done,
+            max(runs, default=self.log_dir),
+            os.path.dirname(self.log_dir),
+        )
 
 
 def count_params(params) -> int:
@@ -100,84 +173,91 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     clock = TrainClock(interval_start)
     start_time, start_step, pending = time.time(), step, []
     batch, last_metrics, out_of_time = first, {}, False
-    while step < t.num_steps:
-        state, metrics = compiled(state, rng_state, batch)
-        pending.append(metrics)
-        step += 1
-        elapsed = time.time() - start_time
-        out_of_time = t.max_train_seconds and elapsed >= t.max_train_seconds
-        done = step >= t.num_steps or out_of_time
-        checkpoint_due = step % t.checkpoint_every == 0 or done
-        if checkpoint_due:  # the position after the batches consumed by steps 1..step
-            data_state = data_iter.get_state()
-        if not done:
-            batch = global_batch(next(data_iter))  # host work overlaps the async device step
+    profiler = StepProfiler(t.profile_steps, workdir, step, clock)
+    try:
+        while step < t.num_steps:
+            profiler.before_step(step, state)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                state, metrics = compiled(state, rng_state, batch)
+            pending.append(metrics)
+            step += 1
+            profiler.after_step(step, (state, metrics))
+            elapsed = time.time() - start_time
+            out_of_time = t.max_train_seconds and elapsed >= t.max_train_seconds
+            done = step >= t.num_steps or out_of_time
+            checkpoint_due = step % t.checkpoint_every == 0 or done
+            if checkpoint_due:  # the position after the batches consumed by steps 1..step
+                data_state = data_iter.get_state()
+            if not done:
+                batch = global_batch(next(data_iter))  # host work overlaps the async device step
 
-        if step % t.log_every == 0 or done:
-            sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)  # waits for the device
-            train_seconds = clock.seconds()
-            dt = train_seconds - interval_start
-            elapsed = time.time() - start_time  # dispatch runs ahead; time it after the sync
-            steps_per_s = len(pending) / dt
-            rate = (step - start_step) / elapsed
-            remaining = (t.num_steps - step) / rate
-            if t.max_train_seconds:
-                remaining = min(remaining, t.max_train_seconds - elapsed)
-            last_metrics = {
-                "loss": sums["loss_sum"] / sums["tokens"],
-                "nll": sums["nll_sum"] / sums["tokens"],
-                "perplexity": float(np.exp(sums["nll_sum"] / sums["tokens"])),
-                "grad_norm": sums["grad_norm"] / len(pending),
-                "learning_rate": float(lr_fn(step)),
-                "steps_per_s": steps_per_s,
-                "tokens_per_s": sums["input_tokens"] / dt,
-                "target_tokens_per_s": sums["tokens"] / dt,
-                "gflop_per_s": flops * steps_per_s / 1e9,
-                "train_seconds": train_seconds,
-            }
-            with clock.paused():
-                writer.write(step, last_metrics, prefix="train/")
-                logging.info(
-                    "step %d/%d | loss %.3f | ppl %.1f | lr %.2e | %.2f steps/s | %.0f tok/s | "
-                    "%.1f GFLOP/s | ETA %s",
-                    step,
-                    t.num_steps,
-                    last_metrics["loss"],
-                    last_metrics["perplexity"],
-                    last_metrics["learning_rate"],
-                    steps_per_s,
-                    last_metrics["tokens_per_s"],
-                    last_metrics["gflop_per_s"],
-                    format_duration(remaining),
-                )
-            interval_start, pending = train_seconds, []
+            if step % t.log_every == 0 or done:
+                sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)  # waits for the device
+                train_seconds = clock.seconds()
+                dt = train_seconds - interval_start
+                elapsed = time.time() - start_time  # dispatch runs ahead; time it after the sync
+                steps_per_s = len(pending) / dt
+                rate = (step - start_step) / elapsed
+                remaining = (t.num_steps - step) / rate
+                if t.max_train_seconds:
+                    remaining = min(remaining, t.max_train_seconds - elapsed)
+                last_metrics = {
+                    "loss": sums["loss_sum"] / sums["tokens"],
+                    "nll": sums["nll_sum"] / sums["tokens"],
+                    "perplexity": float(np.exp(sums["nll_sum"] / sums["tokens"])),
+                    "grad_norm": sums["grad_norm"] / len(pending),
+                    "learning_rate": float(lr_fn(step)),
+                    "steps_per_s": steps_per_s,
+                    "tokens_per_s": sums["input_tokens"] / dt,
+                    "target_tokens_per_s": sums["tokens"] / dt,
+                    "gflop_per_s": flops * steps_per_s / 1e9,
+                    "train_seconds": train_seconds,
+                }
+                with clock.paused():
+                    writer.write(step, last_metrics, prefix="train/")
+                    logging.info(
+                        "step %d/%d | loss %.3f | ppl %.1f | lr %.2e | %.2f steps/s | %.0f tok/s | "
+                        "%.1f GFLOP/s | ETA %s",
+                        step,
+                        t.num_steps,
+                        last_metrics["loss"],
+                        last_metrics["perplexity"],
+                        last_metrics["learning_rate"],
+                        steps_per_s,
+                        last_metrics["tokens_per_s"],
+                        last_metrics["gflop_per_s"],
+                        format_duration(remaining),
+                    )
+                interval_start, pending = train_seconds, []
 
-        eval_due = step % t.eval_every == 0 or done
-        if checkpoint_due or eval_due:
-            jax.block_until_ready(state)  # the steps so far count as training time
-        if checkpoint_due:
-            with clock.paused():
-                progress = {"train_seconds": clock.seconds()}
-                exp.checkpointer.save(step, state, data_state, progress)
-        if eval_due:
-            with clock.paused():
-                eval_start = time.time()
-                val, summary = task.evaluate(state["params"], rng_state)
-                samples = val.pop("samples", None)
-                val_row = {f"{config.data.eval_split}/{k}": v for k, v in val.items()}
-                writer.write(step, {**val_row, "train/train_seconds": clock.seconds()})
-                if samples:
-                    writer.write_text(step, "samples", samples)
-                logging.info(
-                    "eval %s at step %d: %s (%.0fs)",
-                    config.data.eval_split,
-                    step,
-                    summary,
-                    time.time() - eval_start,
-                )
-            last_metrics = {**last_metrics, **{f"val_{k}": v for k, v in val.items()}}
-        if done:
-            break
+            eval_due = step % t.eval_every == 0 or done
+            if checkpoint_due or eval_due:
+                jax.block_until_ready(state)  # the steps so far count as training time
+            if checkpoint_due:
+                with clock.paused():
+                    progress = {"train_seconds": clock.seconds()}
+                    exp.checkpointer.save(step, state, data_state, progress)
+            if eval_due:
+                with clock.paused():
+                    eval_start = time.time()
+                    val, summary = task.evaluate(state["params"], rng_state)
+                    samples = val.pop("samples", None)
+                    val_row = {f"{config.data.eval_split}/{k}": v for k, v in val.items()}
+                    writer.write(step, {**val_row, "train/train_seconds": clock.seconds()})
+                    if samples:
+                        writer.write_text(step, "samples", samples)
+                    logging.info(
+                        "eval %s at step %d: %s (%.0fs)",
+                        config.data.eval_split,
+                        step,
+                        summary,
+                        time.time() - eval_start,
+                    )
+                last_metrics = {**last_metrics, **{f"val_{k}": v for k, v in val.items()}}
+            if done:
+                break
+    finally:
+        profiler.close()  # a run that stopped inside the range (time limit, error) keeps its trace
     exp.checkpointer.close()
     writer.close()
     ran = step > start_step or not os.path.exists(done_path)  # keep the marker of a finished run
