@@ -2,13 +2,13 @@
 masking schemes against truth tables, and length extrapolation."""
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from references import numpy_attention, numpy_bucket
 
 from xformer import masks
 from xformer.attention import MultiHeadAttention
@@ -32,161 +32,111 @@ CFG = LMConfig(
 )
 
 
-def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
-    """Rotate feature pair (p, p + D/2) of x [B, L, H, D] by an explicit 2x2 rotation."""
-    out = x.astype(np.float64).copy()
-    half = x.shape[-1] // 2
-    for li, pos in enumerate(positions):
-        for p in range(half):
-            angle = pos * base ** (-2.0 * p / x.shape[-1])
-            rotation = np.array(
-                [[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]]
-            )
-            pair = np.stack([x[:, li, :, p], x[:, li, :, p + half]], -1)  # [B, H, 2]
-            out[:, li, :, p], out[:, li, :, p + half] = np.moveaxis(pair @ rotation.T, -1, 0)
-    return out
-
-
-def numpy_bucket(distance: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
-    """T5's bucketing written out for one distance (query position - key position)."""
-    bucket = 0
-    if bidirectional:
-        num_buckets //= 2
-        if distance < 0:
-            bucket = num_buckets
-        distance = abs(distance)
-    else:
-        distance = max(distance, 0)
-    exact = num_buckets // 2
-    if distance < exact:
-        return bucket + distance
-    wide = exact + math.log(distance / exact) / math.log(max_distance / exact) * (
-        num_buckets - exact
-    )
-    return bucket + min(int(wide), num_buckets - 1)
-
-
-def numpy_sinusoid(distance: int, d: int) -> np.ndarray:
-    i = np.arange(d // 2)
-    angles = distance / 10000.0 ** (2 * i / d)
-    return np.stack([np.sin(angles), np.cos(angles)], -1).reshape(d)
-
-
-def numpy_bias(scheme, name, q, k, qi, kj, layout, h, layer):
-    """The logit term a scheme adds for query position qi, key position kj (head h)."""
-    distance = qi - kj
-    if name == "t5_bias":
-        bucket = numpy_bucket(distance, not layout.causal, scheme.num_buckets, scheme.max_distance)
-        return float(np.asarray(scheme.table[...])[bucket, h])
-    if name == "alibi":
-        return -float(alibi_slopes(scheme.num_heads)[h]) * abs(distance)
-    if name == "relative":
-        u, v = (np.asarray(p[layer] if scheme.untied else p[...])[h] for p in (scheme.u, scheme.v))
-        clamp = scheme.clamp_len or abs(distance)
-        r = numpy_sinusoid(int(np.clip(distance, -clamp, clamp)), scheme.d_model)
-        rk = (r @ np.asarray(scheme.r_proj[layer].kernel[...])).reshape(scheme.num_heads, -1)[h]
-        return (u @ k + (q + v) @ rk) / math.sqrt(len(q))
-    return 0.0
-
-
-def numpy_attention(attn, scheme, name, x, memory, layout, mask, layer):
-    def linear(module, inputs):
-        out = inputs @ np.asarray(module.kernel[...])
-        return out if module.bias is None else out + np.asarray(module.bias[...])
-
-    context = x if memory is None else np.concatenate([memory, x], 1)
-    b, lq, lk, h, dh = x.shape[0], x.shape[1], context.shape[1], attn.num_heads, attn.head_dim
-    if attn.kind == "self":
-        q, k, v = np.split(linear(attn.qkv_proj, x), 3, -1)
-    else:
-        q, (k, v) = linear(attn.q_proj, x), np.split(linear(attn.kv_proj, context), 2, -1)
-    q, k, v = q.reshape(b, lq, h, dh), k.reshape(b, lk, h, dh), v.reshape(b, lk, h, dh)
-    q_pos = np.asarray(layout.q_start + np.arange(lq))
-    k_pos = np.asarray(layout.k_start + np.arange(lk))
-    if name == "rope":
-        q, k = numpy_rope(q, q_pos, scheme.base), numpy_rope(k, k_pos, scheme.base)
-    out = np.zeros((b, lq, h, dh))
-    for bi in range(b):
-        for hi in range(h):
-            for i in range(lq):
-                scores = np.full(lk, -np.inf)
-                for j in range(lk):
-                    if mask[min(bi, mask.shape[0] - 1), 0, i, j]:
-                        scores[j] = q[bi, i, hi] @ k[bi, j, hi] / math.sqrt(dh) + numpy_bias(
-                            scheme,
-                            name,
-                            q[bi, i, hi],
-                            k[bi, j, hi],
-                            q_pos[i],
-                            k_pos[j],
-                            layout,
-                            hi,
-                            layer,
-                        )
-                if not np.isfinite(scores).any():  # a padded query: compared as zeros
-                    continue
-                p = np.exp(scores - scores.max())
-                out[bi, i, hi] = (p / p.sum()) @ v[bi, :, hi]
-    return linear(attn.out_proj, out.reshape(b, lq, h * dh))
-
-
 RELATIVE_SCHEMES = [n for n, s in SCHEMES.items() if not s.absolute]
 
 
-@pytest.mark.parametrize(
-    "name,overrides",
-    [(n, {}) for n in RELATIVE_SCHEMES]
-    + [
-        ("relative", {"clamp_len": 3, "untie_relative_biases": True}),
-        ("t5_bias", {"relative_buckets": 8, "relative_max_distance": 6}),
-    ],
-)
-@pytest.mark.parametrize("setting", ["memory", "encoder", "decode_step"])
-def test_attention_under_each_scheme_matches_numpy(name, overrides, setting):
-    """Causal attention over [memory ; segment] with partly empty memory rows, bidirectional
-    attention over a padded row, and one query at a later position over a cache."""
-    seed = int(np.random.default_rng().integers(1e6))
-    rng = np.random.default_rng(seed)
-    cfg = dataclasses.replace(CFG, positional=name, **overrides)
-    scheme = SCHEMES[name](cfg, 2, rngs=nnx.Rngs(seed))
-    layer = 1
-    memory = None
-    if setting == "memory":
-        attn = MultiHeadAttention(
-            16, 2, kind="memory", dropout=0.0, use_bias=False, rngs=nnx.Rngs(seed)
+SCHEME_CASES = [(n, {}) for n in RELATIVE_SCHEMES] + [
+    ("relative", {"clamp_len": 3, "untie_relative_biases": True}),
+    ("t5_bias", {"relative_buckets": 8, "relative_max_distance": 6}),
+]
+SETTINGS = ["memory", "encoder", "decode_step"]
+
+
+@dataclasses.dataclass
+class AttentionCase:
+    """One attention call under a positional scheme, with its inputs (see attention_case)."""
+
+    attn: MultiHeadAttention
+    scheme: object
+    layout: Layout
+    x: np.ndarray
+    memory: np.ndarray | None
+    mask: jax.Array
+
+    def __call__(self, x=None, memory=None, attn=None) -> jax.Array:
+        x, memory = self.x if x is None else x, self.memory if memory is None else memory
+        return (attn or self.attn)(
+            jnp.asarray(x),
+            self.mask,
+            positional=BoundScheme.bind(self.scheme, self.layout),
+            layer=1,
+            memory=None if memory is None else jnp.asarray(memory),
         )
+
+    def expected(self, name: str) -> np.ndarray:
+        mask = np.asarray(self.mask)
+        return numpy_attention(
+            self.attn, self.scheme, name, self.x, self.memory, self.layout, mask, 1
+        )
+
+    def valid_rows(self) -> np.ndarray:
+        """[B, Lq, 1]: queries that see at least one key (padded queries see none)."""
+        return np.asarray(self.mask).any(-1)[..., 0, :, None]
+
+
+def attention_case(name, overrides, setting, seed, dtype="float32", implementation="xla"):
+    """Causal attention over [memory ; segment] with partly empty memory rows ("memory"),
+    bidirectional attention over a padded row ("encoder"), or one query at a later position
+    over a cache ("decode_step"), in layer 1 of 2, with `dtype` activations and parameters."""
+    rng = np.random.default_rng(seed)
+    cfg = dataclasses.replace(CFG, positional=name, dtype=dtype, param_dtype=dtype, **overrides)
+    scheme = SCHEMES[name](cfg, 2, rngs=nnx.Rngs(seed))
+    kind, memory = "memory", None
+    if setting == "memory":
         layout = Layout.with_memory(4, 5)
-        memory = rng.normal(size=(2, 5, 16)).astype(np.float32)
+        memory = rng.normal(size=(2, 5, 16))
         valid = masks.memory_key_valid(5, 4, jnp.asarray([5, 2]))
         mask = masks.attention_mask("causal", layout, key_valid=valid)
-        x = rng.normal(size=(2, 4, 16)).astype(np.float32)
+        x = rng.normal(size=(2, 4, 16))
     elif setting == "encoder":
-        attn = MultiHeadAttention(16, 2, kind="self", dropout=0.0, rngs=nnx.Rngs(seed))
-        layout = Layout(6, 6, causal=False)
+        kind, layout = "self", Layout(6, 6, causal=False)
         segments = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
         mask = masks.attention_mask(
             "bidirectional", layout, q_segments=segments, k_segments=segments
         )
-        x = rng.normal(size=(2, 6, 16)).astype(np.float32)
+        x = rng.normal(size=(2, 6, 16))
     else:  # keys at cache slots 0..6, the query at position 4 (later slots masked)
-        attn = MultiHeadAttention(16, 2, kind="memory", dropout=0.0, rngs=nnx.Rngs(seed))
         layout = Layout(1, 7, q_start=4)
-        memory = rng.normal(size=(2, 6, 16)).astype(np.float32)
+        memory = rng.normal(size=(2, 6, 16))
         mask = masks.attention_mask("causal", Layout(1, 7, q_start=6))  # all keys are visible
-        x = rng.normal(size=(2, 1, 16)).astype(np.float32)
-    bound = BoundScheme.bind(scheme, layout)
-    out = attn(
-        jnp.asarray(x),
-        mask,
-        positional=bound,
-        layer=layer,
-        memory=None if memory is None else jnp.asarray(memory),
+        x = rng.normal(size=(2, 1, 16))
+    attn = MultiHeadAttention(
+        16,
+        2,
+        kind=kind,
+        dropout=0.0,
+        use_bias=setting != "memory",
+        implementation=implementation,
+        **cfg.dtypes,
+        rngs=nnx.Rngs(seed),
     )
-    expected = numpy_attention(attn, scheme, name, x, memory, layout, np.asarray(mask), layer)
-    valid_rows = np.asarray(mask).any(-1)[..., 0, :, None]  # padded queries see nothing
+    as_dtype = lambda a: None if a is None else np.asarray(jnp.asarray(a, dtype))  # noqa: E731
+    return AttentionCase(attn, scheme, layout, as_dtype(x), as_dtype(memory), mask)
+
+
+@pytest.mark.parametrize("name,overrides", SCHEME_CASES)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_attention_under_each_scheme_matches_numpy(name, overrides, setting):
+    case = attention_case(name, overrides, setting, int(np.random.default_rng().integers(1e6)))
+    valid = case.valid_rows()
     np.testing.assert_allclose(
-        np.where(valid_rows, out, 0), np.where(valid_rows, expected, 0), atol=2e-4, rtol=2e-4
+        np.where(valid, case(), 0), np.where(valid, case.expected(name), 0), atol=2e-4, rtol=2e-4
     )
+
+
+@pytest.mark.parametrize("name", RELATIVE_SCHEMES)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_float64_attention_under_each_scheme_is_exact(name, setting):
+    """A float64 model has no hidden float32 step: it matches the float64 reference to 1e-12."""
+    with jax.enable_x64(True):
+        seed = int(np.random.default_rng().integers(1e6))
+        case = attention_case(name, {}, setting, seed, dtype="float64")
+        out = case()
+        assert out.dtype == jnp.float64
+        valid = case.valid_rows()
+        np.testing.assert_allclose(
+            np.where(valid, out, 0), np.where(valid, case.expected(name), 0), atol=1e-12, rtol=0
+        )
 
 
 def test_rope_scores_depend_only_on_the_distance():

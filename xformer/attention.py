@@ -6,13 +6,22 @@ import math
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
+from xformer import precision
 from xformer.dropout import Dropout
 from xformer.layout import Layout
 from xformer.positional.base import BoundScheme
 
-NEG_INF = -1e9  # finite, so fully masked rows give a uniform softmax instead of NaN
+IMPLEMENTATIONS = ("xla", "fused")  # model.attention_impl
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logging.warning("attention_impl='fused': %s", message)
 
 
 def dot_product_attention(
@@ -20,23 +29,57 @@ def dot_product_attention(
     k: jax.Array,
     v: jax.Array,
     mask: jax.Array | None,
-    dropout: nnx.Dropout | None = None,
+    dropout: Dropout | None = None,
     bias: jax.Array | None = None,
+    implementation: str = "xla",
 ) -> jax.Array:
     """softmax(q k^T / sqrt(D) + bias, masked) v.
 
     q [B, Lq, H, D], k and v [B, Lk, H, D], mask [B or 1, 1 or H, Lq, Lk] bool, bias
-    broadcastable to [B, H, Lq, Lk] -> [B, Lq, H, D].
+    broadcastable to [B, H, Lq, Lk] -> [B, Lq, H, D]. Logits and softmax are at least float32.
+    implementation "xla": the einsum reference; "fused": jax.nn.dot_product_attention (cuDNN
+    flash attention on GPU where it can serve, its XLA implementation elsewhere). Dropout on
+    the weights has no fused form, so active attention dropout takes the reference path.
     """
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {implementation!r} not in {IMPLEMENTATIONS}")
+    dropping = dropout is not None and dropout.rate > 0 and not dropout.deterministic
+    if implementation == "fused" and dropping:
+        _log_once(
+            "jax.nn.dot_product_attention has no dropout on the attention weights; with "
+            f"model.attention_dropout={dropout.rate} training attention runs the xla path"
+        )
+    elif implementation == "fused":
+        return _fused_attention(q, k, v, mask, bias)
+    logits_dtype = precision.at_least_float32(q.dtype)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=logits_dtype)
+    logits = logits / math.sqrt(q.shape[-1])
     if bias is not None:
-        logits = logits + bias
+        logits = logits + bias.astype(logits_dtype)
     if mask is not None:
-        logits = jnp.where(mask, logits, NEG_INF)
-    weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(q.dtype)
-    if dropout is not None:
+        logits = jnp.where(mask, logits, precision.mask_value(logits_dtype))
+    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    if dropping:
         weights = dropout(weights)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def _fused_attention(q, k, v, mask, bias) -> jax.Array:
+    """jax.nn.dot_product_attention: cuDNN on GPU unless it refuses the call (dtype, head size,
+    shapes), then, as on every other backend, its XLA implementation. The reason is logged."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    backend = jax.default_backend()
+    if backend == "gpu":
+        try:
+            cudnn_bias = None if bias is None else bias.astype(q.dtype)
+            return jax.nn.dot_product_attention(
+                q, k, v, cudnn_bias, mask, scale=scale, implementation="cudnn"
+            )
+        except (NotImplementedError, ValueError, RuntimeError, TypeError) as error:
+            _log_once(f"cuDNN flash attention cannot serve this call ({error}); using XLA")
+    else:
+        _log_once(f"no cuDNN on {backend}: jax.nn.dot_product_attention uses its XLA path")
+    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="xla")
 
 
 class MultiHeadAttention(nnx.Module):
@@ -52,12 +95,16 @@ class MultiHeadAttention(nnx.Module):
         kind: str,
         dropout: float,
         use_bias: bool = True,
+        implementation: str = "xla",
+        dtype: jnp.dtype | None = None,
+        param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.num_heads, self.head_dim, self.kind = num_heads, d_model // num_heads, kind
-        linear = dict(use_bias=use_bias, rngs=rngs)
+        self.implementation = implementation
+        linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if kind == "self":
             self.qkv_proj = nnx.Linear(d_model, 3 * d_model, **linear)
         else:
@@ -111,7 +158,7 @@ class MultiHeadAttention(nnx.Module):
 
     def _attend(self, q, k, v, mask, positional, layer) -> jax.Array:
         bias = None if positional is None else positional.bias(q, k, layer)
-        out = dot_product_attention(q, k, v, mask, self.dropout, bias)
+        out = dot_product_attention(q, k, v, mask, self.dropout, bias, self.implementation)
         return self.out_proj(out.reshape(*out.shape[:-2], -1))
 
     def decode_step(

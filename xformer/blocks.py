@@ -12,12 +12,43 @@ from xformer.dropout import Dropout
 from xformer.positional.base import BoundScheme
 
 
+def layer_norm(d_model: int, *, rngs: nnx.Rngs, **dtypes) -> nnx.LayerNorm:
+    """LayerNorm over the last axis (statistics in at least float32, whatever the dtype)."""
+    return nnx.LayerNorm(d_model, epsilon=1e-6, **dtypes, rngs=rngs)
+
+
+def attention(cfg, kind: str, *, use_bias: bool = True, rngs: nnx.Rngs) -> MultiHeadAttention:
+    """A MultiHeadAttention of kind "self", "memory" or "cross" with cfg's sizes and precision."""
+    return MultiHeadAttention(
+        cfg.d_model,
+        cfg.num_heads,
+        kind=kind,
+        dropout=cfg.attention_dropout,
+        use_bias=use_bias,
+        implementation=cfg.attention_impl,
+        **cfg.dtypes,
+        rngs=rngs,
+    )
+
+
+def feed_forward(cfg, *, rngs: nnx.Rngs) -> "FeedForward":
+    return FeedForward(cfg.d_model, cfg.d_ff, dropout=cfg.relu_dropout, **cfg.dtypes, rngs=rngs)
+
+
+def residuals(cfg, n: int, *, rngs: nnx.Rngs) -> tuple["Residual", ...]:
+    """n residual wrappers of cfg's width, norm placement, dropout and precision."""
+    return tuple(
+        Residual(cfg.d_model, pre_norm=cfg.pre_norm, dropout=cfg.dropout, **cfg.dtypes, rngs=rngs)
+        for _ in range(n)
+    )
+
+
 class FeedForward(nnx.Module):
     """Linear(d, d_ff) -> ReLU -> dropout -> Linear(d_ff, d)."""
 
-    def __init__(self, d_model: int, d_ff: int, *, dropout: float, rngs: nnx.Rngs):
-        self.up = nnx.Linear(d_model, d_ff, rngs=rngs)
-        self.down = nnx.Linear(d_ff, d_model, rngs=rngs)
+    def __init__(self, d_model: int, d_ff: int, *, dropout: float, rngs: nnx.Rngs, **dtypes):
+        self.up = nnx.Linear(d_model, d_ff, **dtypes, rngs=rngs)
+        self.down = nnx.Linear(d_ff, d_model, **dtypes, rngs=rngs)
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -27,9 +58,9 @@ class FeedForward(nnx.Module):
 class Residual(nnx.Module):
     """x + dropout(f(x)) with LayerNorm before f (pre-LN) or after the sum (post-LN, the paper)."""
 
-    def __init__(self, d_model: int, *, pre_norm: bool, dropout: float, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, pre_norm: bool, dropout: float, rngs: nnx.Rngs, **dtypes):
         self.pre_norm = pre_norm
-        self.norm = nnx.LayerNorm(d_model, epsilon=1e-6, rngs=rngs)
+        self.norm = layer_norm(d_model, rngs=rngs, **dtypes)
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, sublayer: Callable[[jax.Array], jax.Array]) -> jax.Array:
@@ -40,22 +71,12 @@ class Residual(nnx.Module):
 
 class SelfAttentionBlock(nnx.Module):
     """Self-attention then the FFN: an encoder layer, or a decoder-only LM layer whose keys may
-    cover a Transformer-XL memory (`attention="memory"`)."""
+    cover a Transformer-XL memory (`kind="memory"`)."""
 
-    def __init__(self, cfg, *, attention: str = "self", use_bias: bool = True, rngs: nnx.Rngs):
-        d = cfg.d_model
-        self.attn = MultiHeadAttention(
-            d,
-            cfg.num_heads,
-            kind=attention,
-            dropout=cfg.attention_dropout,
-            use_bias=use_bias,
-            rngs=rngs,
-        )
-        self.ffn = FeedForward(d, cfg.d_ff, dropout=cfg.relu_dropout, rngs=rngs)
-        self.attn_res, self.ffn_res = (
-            Residual(d, pre_norm=cfg.pre_norm, dropout=cfg.dropout, rngs=rngs) for _ in range(2)
-        )
+    def __init__(self, cfg, *, kind: str = "self", use_bias: bool = True, rngs: nnx.Rngs):
+        self.attn = attention(cfg, kind, use_bias=use_bias, rngs=rngs)
+        self.ffn = feed_forward(cfg, rngs=rngs)
+        self.attn_res, self.ffn_res = residuals(cfg, 2, rngs=rngs)
 
     def __call__(
         self,
@@ -76,17 +97,10 @@ class SelfAttentionBlock(nnx.Module):
 
 class DecoderBlock(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d = cfg.d_model
-        self.self_attn = MultiHeadAttention(
-            d, cfg.num_heads, kind="self", dropout=cfg.attention_dropout, rngs=rngs
-        )
-        self.cross_attn = MultiHeadAttention(
-            d, cfg.num_heads, kind="cross", dropout=cfg.attention_dropout, rngs=rngs
-        )
-        self.ffn = FeedForward(d, cfg.d_ff, dropout=cfg.relu_dropout, rngs=rngs)
-        self.self_res, self.cross_res, self.ffn_res = (
-            Residual(d, pre_norm=cfg.pre_norm, dropout=cfg.dropout, rngs=rngs) for _ in range(3)
-        )
+        self.self_attn = attention(cfg, "self", rngs=rngs)
+        self.cross_attn = attention(cfg, "cross", rngs=rngs)
+        self.ffn = feed_forward(cfg, rngs=rngs)
+        self.self_res, self.cross_res, self.ffn_res = residuals(cfg, 3, rngs=rngs)
 
     def __call__(
         self,

@@ -15,7 +15,7 @@ from flax import nnx
 
 from xformer import masks
 from xformer.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax, ClusterLayout
-from xformer.blocks import SelfAttentionBlock
+from xformer.blocks import SelfAttentionBlock, layer_norm
 from xformer.dropout import Dropout
 from xformer.layout import Layout
 from xformer.model_config import LMConfig
@@ -40,11 +40,11 @@ class LanguageModel(nnx.Module):
         self.positional = SCHEMES[cfg.positional](cfg, cfg.num_layers, rngs=rngs)
         self.layers = nnx.List(
             [
-                SelfAttentionBlock(cfg, attention="memory", use_bias=False, rngs=rngs)
+                SelfAttentionBlock(cfg, kind="memory", use_bias=False, rngs=rngs)
                 for _ in range(cfg.num_layers)
             ]
         )
-        self.final_norm = nnx.LayerNorm(d, epsilon=1e-6, rngs=rngs) if cfg.pre_norm else None
+        self.final_norm = layer_norm(d, **cfg.dtypes, rngs=rngs) if cfg.pre_norm else None
         self.softmax = AdaptiveLogSoftmax(
             clusters,
             tie_embedding=self.embed if cfg.tie_output else None,
@@ -58,7 +58,8 @@ class LanguageModel(nnx.Module):
             return None
         SCHEMES[self.cfg.positional].check_memory(mem_len)
         shape = (self.cfg.num_layers, batch_size, mem_len, self.cfg.d_model)
-        return {"states": jnp.zeros(shape), "filled": jnp.zeros((batch_size,), jnp.int32)}
+        states = jnp.zeros(shape, self.cfg.dtype)  # stored in the model's dtype
+        return {"states": states, "filled": jnp.zeros((batch_size,), jnp.int32)}
 
     def hidden(
         self,
@@ -80,7 +81,7 @@ class LanguageModel(nnx.Module):
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(q_len), tokens.shape)
             self.positional.check_length(q_len)
-            x = x + self.positional.embed(positions)
+            x = x + self.positional.embed(positions).astype(x.dtype)
         x = self.dropout(x)
         layout = Layout.with_memory(q_len, mem_len)
         if memory is not None:

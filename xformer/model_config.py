@@ -14,6 +14,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
+
 from xformer import masks
 from xformer.positional import SCHEMES
 
@@ -69,6 +71,11 @@ class StackConfig:
     def fields(cls) -> dict[str, dataclasses.Field]:
         """The fields that are config keys (`model.<name>`), by name."""
         return {f.name: f for f in dataclasses.fields(cls) if "doc" in f.metadata}
+
+    @property
+    def dtypes(self) -> dict[str, jnp.dtype]:
+        """{"dtype", "param_dtype"}: the keyword arguments that set every layer's precision."""
+        return {"dtype": jnp.dtype(self.dtype), "param_dtype": jnp.dtype(self.param_dtype)}
 
     @property
     def pre_norm(self) -> bool:

@@ -1,14 +1,15 @@
 """The encoder-decoder Transformer of Vaswani et al. (2017), in Flax NNX."""
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xformer import masks
+from xformer import masks, precision
 from xformer.attention import decode_layout
-from xformer.blocks import DecoderBlock, SelfAttentionBlock
+from xformer.blocks import DecoderBlock, SelfAttentionBlock, layer_norm
 from xformer.dropout import Dropout
 from xformer.layout import Layout
 from xformer.model_config import TransformerConfig
@@ -25,11 +26,10 @@ class EncoderDecoder(nnx.Module):
         if cfg.share_embeddings and cfg.src_vocab_size != cfg.tgt_vocab_size:
             raise ValueError("share_embeddings needs equal source and target vocabulary sizes")
         init = nnx.initializers.normal(d**-0.5)  # unit scale after the sqrt(d) multiplier
-        self.src_embed = nnx.Embed(cfg.src_vocab_size, d, embedding_init=init, rngs=rngs)
+        embed = dict(embedding_init=init, **cfg.dtypes, rngs=rngs)
+        self.src_embed = nnx.Embed(cfg.src_vocab_size, d, **embed)
         self.tgt_embed = (
-            self.src_embed
-            if cfg.share_embeddings
-            else nnx.Embed(cfg.tgt_vocab_size, d, embedding_init=init, rngs=rngs)
+            self.src_embed if cfg.share_embeddings else nnx.Embed(cfg.tgt_vocab_size, d, **embed)
         )
         scheme = SCHEMES[cfg.positional]
         self.src_positional = scheme(cfg, cfg.num_encoder_layers, rngs=rngs)
@@ -42,17 +42,20 @@ class EncoderDecoder(nnx.Module):
             [DecoderBlock(cfg, rngs=rngs) for _ in range(cfg.num_decoder_layers)]
         )
         # Pre-LN stacks need a final norm; post-LN outputs are already normalised.
-        self.encoder_norm = nnx.LayerNorm(d, epsilon=1e-6, rngs=rngs) if cfg.pre_norm else None
-        self.decoder_norm = nnx.LayerNorm(d, epsilon=1e-6, rngs=rngs) if cfg.pre_norm else None
+        norm = functools.partial(layer_norm, d, **cfg.dtypes, rngs=rngs)
+        self.encoder_norm = norm() if cfg.pre_norm else None
+        self.decoder_norm = norm() if cfg.pre_norm else None
         self.output = (
-            None if cfg.tie_output else nnx.Linear(d, cfg.tgt_vocab_size, use_bias=False, rngs=rngs)
+            None
+            if cfg.tie_output
+            else nnx.Linear(d, cfg.tgt_vocab_size, use_bias=False, **cfg.dtypes, rngs=rngs)
         )
 
     def _embed(self, table, scheme, tokens, positions):
         scheme.check_length(tokens.shape[1])
         x = table(tokens) * math.sqrt(self.cfg.d_model)
         encoding = scheme.embed(positions)
-        return self.embed_dropout(x if encoding is None else x + encoding)
+        return self.embed_dropout(x if encoding is None else x + encoding.astype(x.dtype))
 
     def _self_mask(self, kind: str, layout: Layout, segments: jax.Array) -> jax.Array:
         return masks.attention_mask(
@@ -64,9 +67,11 @@ class EncoderDecoder(nnx.Module):
         )
 
     def _logits(self, x: jax.Array) -> jax.Array:
+        """Final states [B, L, d] -> logits [B, L, V] in at least float32 (for the softmax)."""
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        return self.tgt_embed.attend(x) if self.output is None else self.output(x)
+        logits = self.tgt_embed.attend(x) if self.output is None else self.output(x)
+        return logits.astype(precision.at_least_float32(logits.dtype))
 
     def encode(
         self, src: jax.Array, src_segments: jax.Array, src_positions: jax.Array
@@ -152,5 +157,4 @@ class EncoderDecoder(nnx.Module):
                 x, kv, index, self_mask, cross_mask, cache["cross"][i], positional, i
             )
             new_self.append(kv)
-        logits = self._logits(x)[:, 0].astype(jnp.float32)
-        return jax.nn.log_softmax(logits), {**cache, "self": new_self}
+        return jax.nn.log_softmax(self._logits(x)[:, 0]), {**cache, "self": new_self}

@@ -6,15 +6,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xformer import precision
 from xformer.positional.base import PositionalScheme
 
 
-def sinusoidal_encoding(positions: jax.Array, d_model: int) -> jax.Array:
-    """PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(same): [...] -> [..., d_model]."""
-    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d_model, 2, dtype=np.float32) / d_model))
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., d/2]
+def sinusoidal_encoding(positions: jax.Array, d_model: int, dtype=jnp.float32) -> jax.Array:
+    """PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(same): [...] -> [..., d_model].
+
+    Computed in at least float32 (float64 for a float64 model), returned in `dtype`.
+    """
+    compute = precision.at_least_float32(dtype)
+    inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, d_model, 2) / d_model), compute)
+    angles = positions[..., None].astype(compute) * inv_freq  # [..., d/2]
     pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # interleave: even sin, odd cos
-    return pe.reshape(*positions.shape, -1)[..., :d_model]
+    return pe.reshape(*positions.shape, -1)[..., :d_model].astype(dtype)
 
 
 def check_even_d_model(name: str, d_model: int) -> None:
@@ -32,10 +37,10 @@ class SinusoidalPositions(PositionalScheme):
         check_even_d_model(cls.name, cfg.d_model)
 
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
-        self.d_model = cfg.d_model
+        self.d_model, self.dtype = cfg.d_model, jnp.dtype(cfg.dtype)
 
     def embed(self, positions: jax.Array) -> jax.Array:
-        return sinusoidal_encoding(positions, self.d_model)
+        return sinusoidal_encoding(positions, self.d_model, self.dtype)
 
 
 class LearnedPositions(PositionalScheme):
@@ -45,7 +50,9 @@ class LearnedPositions(PositionalScheme):
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.max_len = cfg.max_len
         init = nnx.initializers.normal(0.02)
-        self.table = nnx.Embed(cfg.max_len, cfg.d_model, embedding_init=init, rngs=rngs)
+        self.table = nnx.Embed(
+            cfg.max_len, cfg.d_model, embedding_init=init, **cfg.dtypes, rngs=rngs
+        )
 
     def embed(self, positions: jax.Array) -> jax.Array:
         return self.table(positions)

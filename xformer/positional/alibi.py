@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xformer import precision
 from xformer.layout import Layout
 from xformer.positional.base import PositionalScheme
 
@@ -21,7 +22,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
     n = 2 ** int(math.log2(num_heads))
     extra = geometric(2 * n)[0::2][: num_heads - n]
-    return np.concatenate([geometric(n), extra]).astype(np.float32)
+    return np.concatenate([geometric(n), extra])
 
 
 class ALiBi(PositionalScheme):
@@ -29,10 +30,11 @@ class ALiBi(PositionalScheme):
 
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
+        self.dtype = precision.at_least_float32(cfg.dtype)  # the logits' dtype
 
     def prepare(self, layout: Layout):
-        slopes = jnp.asarray(alibi_slopes(self.num_heads))[:, None, None]
-        distance = jnp.abs(layout.distances()).astype(jnp.float32)
+        slopes = jnp.asarray(alibi_slopes(self.num_heads), self.dtype)[:, None, None]
+        distance = jnp.abs(layout.distances()).astype(self.dtype)
         return (-slopes * distance)[None]  # [1, H, Lq, Lk]
 
     def logit_bias(self, prepared, q, k, layout, layer):

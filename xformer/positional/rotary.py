@@ -7,16 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xformer import precision
 from xformer.positional.base import PositionalScheme
 
 
 def rotate(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
     """x [B, L, H, D], positions [L] -> x with pair i rotated by positions * base^(-2i/D)."""
-    half = x.shape[-1] // 2
-    inv_freq = base ** (-np.arange(half, dtype=np.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [L, D/2]
+    half, compute = x.shape[-1] // 2, precision.at_least_float32(x.dtype)
+    inv_freq = jnp.asarray(base ** (-np.arange(half) / half), compute)
+    angles = positions.astype(compute)[:, None] * inv_freq  # [L, D/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [L, 1, D/2]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    x1, x2 = x[..., :half].astype(compute), x[..., half:].astype(compute)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 

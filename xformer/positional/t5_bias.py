@@ -41,7 +41,8 @@ class T5RelativeBias(PositionalScheme):
         self.check_config(cfg)
         self.num_buckets, self.max_distance = cfg.relative_buckets, cfg.relative_max_distance
         init = nnx.initializers.normal(0.02)
-        self.table = nnx.Param(init(rngs.params(), (self.num_buckets, cfg.num_heads)))
+        shape = (self.num_buckets, cfg.num_heads)
+        self.table = nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)))
 
     @classmethod
     def check_config(cls, cfg) -> None:

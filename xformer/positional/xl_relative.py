@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xformer import precision
 from xformer.dropout import Dropout
 from xformer.layout import Layout
 from xformer.positional.absolute import check_even_d_model, sinusoidal_encoding
@@ -56,27 +57,28 @@ class XLRelativePositions(PositionalScheme):
         d = cfg.d_model
         heads = (cfg.num_heads, d // cfg.num_heads)
         self.d_model, (self.num_heads, self.head_dim) = d, heads
-        self.clamp_len = cfg.clamp_len
+        self.clamp_len, self.dtype = cfg.clamp_len, jnp.dtype(cfg.dtype)
         self.r_proj = nnx.List(
-            [nnx.Linear(d, d, use_bias=False, rngs=rngs) for _ in range(num_layers)]
+            [nnx.Linear(d, d, use_bias=False, **cfg.dtypes, rngs=rngs) for _ in range(num_layers)]
         )  # W_{k,R} per layer
         init = nnx.initializers.normal(0.02)
         self.untied = cfg.untie_relative_biases
         shape = (num_layers, *heads) if self.untied else heads  # heads = (H, D)
-        self.u = nnx.Param(init(rngs.params(), shape))
-        self.v = nnx.Param(init(rngs.params(), shape))
+        self.u = nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)))
+        self.v = nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)))
         self.dropout = Dropout(cfg.dropout, rngs=rngs)
 
     def prepare(self, layout: Layout) -> jax.Array:
         distances = relative_distances(layout)
         if self.clamp_len > 0:
             distances = jnp.clip(distances, -self.clamp_len, self.clamp_len)
-        return self.dropout(sinusoidal_encoding(distances, self.d_model))  # R [W, d]
+        return self.dropout(sinusoidal_encoding(distances, self.d_model, self.dtype))  # R [W, d]
 
     def logit_bias(self, r, q, k, layout, layer):
         heads = (self.num_heads, self.head_dim)
-        u, v = (p[layer] if self.untied else p[...] for p in (self.u, self.v))
+        u, v = ((p[layer] if self.untied else p[...]).astype(q.dtype) for p in (self.u, self.v))
         rk = self.r_proj[layer](r).reshape(r.shape[0], *heads)
-        position = jnp.einsum("bqhd,whd->bhqw", q + v, rk)
-        content_bias = jnp.einsum("hd,bkhd->bhk", u, k)[:, :, None, :]
+        acc = precision.at_least_float32(q.dtype)  # accumulate as the content logits do
+        position = jnp.einsum("bqhd,whd->bhqw", q + v, rk, preferred_element_type=acc)
+        content_bias = jnp.einsum("hd,bkhd->bhk", u, k, preferred_element_type=acc)[:, :, None]
         return (content_bias + relative_shift(position, layout.k_len)) / math.sqrt(self.head_dim)

@@ -1,0 +1,400 @@
+"""Precision and the attention backend: float64 models match the numpy references to 1e-12,
+bfloat16 models compute in bfloat16 with float32 softmaxes and loss and train like float32
+ones, mask fill values are safe in every dtype, and attention_impl="fused"
+(jax.nn.dot_product_attention) equals the einsum reference, forward and gradients, for every
+positional and masking scheme, with padding, packing, memory and cached decoding."""
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from references import numpy_encoder_decoder, numpy_language_model
+from test_configs import load
+from test_language_modeling import tiny_config
+from test_positional import RELATIVE_SCHEMES, SETTINGS, attention_case
+
+from xformer import masks, precision
+from xformer.attention import dot_product_attention
+from xformer.language_model import LanguageModel
+from xformer.layout import Layout
+from xformer.losses import cross_entropy
+from xformer.model_config import LMConfig, TransformerConfig
+from xformer.models import EncoderDecoder
+from xformer.positional import SCHEMES
+from xformer.positional.base import BoundScheme
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOW = pytest.mark.slow
+TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2}  # fused vs xla, relative to the values' scale
+
+
+def fresh_seed() -> int:
+    return int(np.random.default_rng().integers(1e6))
+
+
+def assert_close(actual, expected, dtype: str, what: str = "") -> None:
+    """|actual - expected| <= TOLERANCE[dtype] * max|expected| (bfloat16 rounds relative to
+    the largest values it meets, so elementwise rtol would be meaningless near zero)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    scale = max(np.abs(expected).max(), 1e-30)
+    error = np.abs(actual - expected).max() / scale
+    assert error <= TOLERANCE[dtype], f"{what}: max error {error:.2e} of scale {scale:.2e}"
+
+
+# Mask fill values ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_mask_value_is_safe_in_every_dtype(dtype):
+    with jax.enable_x64(dtype == "float64"):
+        fill = jnp.asarray(precision.mask_value(dtype), dtype)
+        assert np.isfinite(np.asarray(fill, np.float64))
+        row = jnp.asarray(np.random.default_rng().normal(size=6), dtype)
+        masked = jnp.where(jnp.arange(6) < 2, row, fill)
+        probs = np.asarray(jax.nn.softmax(masked.astype(jnp.float32)), np.float64)
+        assert (probs[2:] == 0).all() and np.isclose(probs.sum(), 1.0)
+        empty = np.asarray(jax.nn.softmax(jnp.full((6,), fill)), np.float64)  # fully masked
+        np.testing.assert_allclose(empty, 1 / 6, rtol=1e-2)
+
+
+def test_fully_masked_queries_give_finite_outputs_in_half_precision():
+    rng = np.random.default_rng()
+    for dtype in (jnp.float16, jnp.bfloat16):
+        q, k, v = (jnp.asarray(rng.normal(size=(1, 3, 2, 8)), dtype) for _ in range(3))
+        mask = jnp.asarray([[True, False, False], [False] * 3, [True, True, True]])[None, None]
+        for implementation in ("xla", "fused"):
+            out = dot_product_attention(q, k, v, mask, implementation=implementation)
+            assert out.dtype == dtype and np.isfinite(np.asarray(out, np.float32)).all()
+            np.testing.assert_allclose(  # the fully masked query averages the values
+                np.asarray(out[0, 1], np.float32), np.asarray(v[0], np.float32).mean(0), atol=2e-2
+            )
+
+
+# Float64 end to end ----------------------------------------------------------------------------
+
+
+def float64_translation(seed: int, **overrides) -> EncoderDecoder:
+    cfg = TransformerConfig(
+        src_vocab_size=23,
+        tgt_vocab_size=23,
+        d_model=16,
+        num_heads=2,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=24,
+        dtype="float64",
+        param_dtype="float64",
+        **overrides,
+    )
+    model = EncoderDecoder(cfg, rngs=nnx.Rngs(seed))
+    model.eval()
+    return model
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"positional": "t5_bias", "layer_norm": "pre", "tie_output": False}],
+    ids=["sinusoidal-post", "t5-pre-untied"],
+)
+def test_float64_encoder_decoder_matches_numpy(overrides):
+    rng = np.random.default_rng()
+    with jax.enable_x64(True):
+        model = float64_translation(fresh_seed(), **overrides)
+        src = rng.integers(1, 23, size=(2, 7))
+        tgt_in = rng.integers(1, 23, size=(2, 5))
+        src[1, 5:], tgt_in[1, 3:] = 0, 0  # padding at the end of the second row
+        logits = model(jnp.asarray(src), jnp.asarray(tgt_in))
+        assert logits.dtype == jnp.float64
+        expected = numpy_encoder_decoder(model, src, tgt_in)
+        valid = (tgt_in > 0)[..., None]
+        np.testing.assert_allclose(
+            np.where(valid, logits, 0), np.where(valid, expected, 0), atol=1e-12, rtol=0
+        )
+
+
+@pytest.mark.parametrize("positional", ["relative", "alibi"])
+def test_float64_transformer_xl_matches_numpy_over_two_segments(positional):
+    """Two segments through the memory: the second attends over the first's layer inputs."""
+    rng = np.random.default_rng()
+    with jax.enable_x64(True):
+        cfg = LMConfig(
+            vocab_size=29,
+            d_model=16,
+            num_heads=2,
+            num_decoder_layers=2,
+            d_ff=24,
+            mem_len=5,
+            positional=positional,
+            dtype="float64",
+            param_dtype="float64",
+        )
+        model = LanguageModel(cfg, rngs=nnx.Rngs(fresh_seed()))
+        model.eval()
+        tokens = rng.integers(0, 29, size=(2, 11))
+        memory, ref_memory = model.init_memory(2, 5), None
+        assert memory["states"].dtype == jnp.float64
+        for s in (slice(0, 5), slice(5, 10)):
+            nll, memory = model(jnp.asarray(tokens[:, s]), jnp.asarray(tokens[:, 1:][:, s]), memory)
+            expected, ref_memory = numpy_language_model(
+                model, tokens[:, s], tokens[:, 1:][:, s], ref_memory
+            )
+            assert nll.dtype == jnp.float64
+            np.testing.assert_allclose(nll, expected, atol=1e-12, rtol=0)
+
+
+# bfloat16 plumbing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_bfloat16_computes_in_bfloat16_and_scores_in_float32(param_dtype):
+    rng = np.random.default_rng()
+    src, tgt = (jnp.asarray(rng.integers(1, 23, size=(2, 6))) for _ in range(2))
+    cfg = TransformerConfig(
+        src_vocab_size=23,
+        tgt_vocab_size=23,
+        d_model=16,
+        num_heads=2,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        d_ff=24,
+        dtype="bfloat16",
+        param_dtype=param_dtype,
+        positional="relative",
+    )
+    model = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+    model.eval()  # no dropout draws inside eval_shape
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert {p.dtype for p in params} == {jnp.dtype(param_dtype)}
+    segments = (src > 0).astype(jnp.int32)
+    positions = masks.positions_from_segments(segments)
+    shape = jax.eval_shape  # dtypes from tracing alone
+    assert shape(lambda: model.encode(src, segments, positions)).dtype == jnp.bfloat16
+    assert shape(lambda: model(src, tgt)).dtype == jnp.float32  # upcast before the softmax
+    log_probs, cache = shape(
+        lambda: model.decode_step(tgt[:, 0], model.init_decode_cache(src, 4), jnp.asarray(0))
+    )
+    assert log_probs.dtype == jnp.float32 and cache["self"][0]["k"].dtype == jnp.bfloat16
+
+
+# Fused attention equals the reference ---------------------------------------------------------
+
+
+def _values_and_grads(case):
+    """Attention output and the gradients of a random weighting of its valid rows with respect
+    to the queries' states, the memory and every parameter (projections and scheme)."""
+    graphdef, params, rest = nnx.split((case.attn, case.scheme), nnx.Param, ...)
+    weights = np.random.default_rng(0).normal(size=case.x.shape) * case.valid_rows()
+
+    def loss(params, x, memory):
+        attn, scheme = nnx.merge(graphdef, params, rest)
+        out = dataclasses.replace(case, attn=attn, scheme=scheme)(x, memory)
+        return (out.astype(jnp.float32) * weights).sum(), out
+
+    memory = None if case.memory is None else jnp.asarray(case.memory)
+    grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        params, jnp.asarray(case.x), memory
+    )
+    return out * case.valid_rows(), grads
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("name", RELATIVE_SCHEMES)
+def test_fused_attention_equals_reference_under_each_positional_scheme(name, setting, dtype):
+    """Biases from ALiBi, T5, Transformer-XL (q-dependent, learned), rotations (rope), a padded
+    encoder row, a memory with empty slots, and one cached decoding step."""
+    seed = fresh_seed()
+    (out, grads), (fused_out, fused_grads) = (
+        _values_and_grads(attention_case(name, {}, setting, seed, dtype, implementation))
+        for implementation in ("xla", "fused")
+    )
+    assert fused_out.dtype == jnp.dtype(dtype)
+    assert_close(fused_out, out, dtype, "output")
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert_close(_at(fused_grads, path), g, dtype, jax.tree_util.keystr(path))
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[getattr(key, "key", getattr(key, "idx", None))]
+    return tree
+
+
+MASK_CASES = {  # mask scheme -> (layout, attention_mask keywords)
+    "causal": (Layout(8, 8), {}),
+    "bidirectional": (Layout(8, 8, causal=False), {}),
+    "sliding_window": (Layout(8, 8), {"window": 3}),
+    "prefix_lm": (Layout(8, 8), {"prefix_length": 3}),
+    "same_length": (Layout.with_memory(8, 4), {}),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", list(MASK_CASES))
+def test_fused_attention_equals_reference_under_each_mask(kind, dtype):
+    """Every masking scheme, on packed rows (two examples and padding) with a T5 bias."""
+    assert set(MASK_CASES) == set(masks.MASK_SCHEMES)
+    rng = np.random.default_rng()
+    layout, keywords = MASK_CASES[kind]
+    segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 0, 0]])
+    if layout.k_len > layout.q_len:  # memory slots, all filled, belong to every example
+        k_segments = jnp.concatenate([jnp.ones((2, 4), jnp.int32), segments], 1)
+        mask = masks.attention_mask(kind, layout, key_valid=k_segments > 0, **keywords)
+        mask = mask & (segments > 0)[:, None, :, None]
+    else:
+        mask = masks.attention_mask(
+            kind, layout, q_segments=segments, k_segments=segments, **keywords
+        )
+    scheme = SCHEMES["t5_bias"](
+        LMConfig(vocab_size=8, d_model=16, num_heads=2, positional="t5_bias"), 1, rngs=nnx.Rngs(0)
+    )
+    bias = BoundScheme.bind(scheme, layout).bias(None, None, 0)
+    q = jnp.asarray(rng.normal(size=(2, layout.q_len, 2, 8)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(2, layout.k_len, 2, 8)), dtype) for _ in range(2))
+    weights = rng.normal(size=q.shape) * np.asarray(mask.any(-1))[:, 0, :, None, None]
+
+    def loss(q, k, v, bias, implementation):
+        out = dot_product_attention(q, k, v, mask, bias=bias, implementation=implementation)
+        return (out.astype(jnp.float32) * weights).sum(), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
+    (grads, out), (fused_grads, fused_out) = (grad(q, k, v, bias, i) for i in ("xla", "fused"))
+    valid = np.asarray(mask.any(-1))[:, 0, :, None, None]
+    assert_close(np.where(valid, fused_out, 0), np.where(valid, out, 0), dtype, "output")
+    for name, g, fused_g in zip("qkvb", grads, fused_grads, strict=True):
+        assert_close(fused_g, g, dtype, f"d{name}")
+
+
+# Whole models: fused equals xla, bfloat16 trains like float32 -----------------------------------
+
+
+def _model_loss_and_grads(model, loss_fn):
+    """loss_fn(model) and its gradients with respect to every parameter, compiled."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def run(params):
+        return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest)))(params)
+
+    return run(params)
+
+
+def _assert_models_agree(xla, fused, dtype):
+    (loss, grads), (fused_loss, fused_grads) = xla, fused
+    assert_close(fused_loss, loss, dtype, "loss")
+    flat = dict(jax.tree_util.tree_leaves_with_path(grads))
+    for path, g in jax.tree_util.tree_leaves_with_path(fused_grads):
+        assert_close(g, flat[path], dtype, jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize(
+    "dtype,positional",
+    [
+        ("float32", "t5_bias"),
+        ("bfloat16", "rope"),
+        pytest.param("float32", "sinusoidal", marks=SLOW),
+        pytest.param("bfloat16", "alibi", marks=SLOW),
+    ],
+)
+def test_fused_encoder_decoder_equals_xla_on_packed_rows(dtype, positional):
+    """Loss and every gradient of the whole model on rows packing two examples and padding."""
+    rng = np.random.default_rng()
+    src_segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 0, 0]])
+    tgt_segments = jnp.asarray([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
+    src = jnp.asarray(rng.integers(1, 23, size=src_segments.shape)) * (src_segments > 0)
+    tgt_in = jnp.asarray(rng.integers(1, 23, size=tgt_segments.shape)) * (tgt_segments > 0)
+    tgt_out = jnp.asarray(rng.integers(1, 23, size=tgt_segments.shape))
+    seed, results = fresh_seed(), []
+    for implementation in ("xla", "fused"):
+        cfg = TransformerConfig(
+            src_vocab_size=23,
+            tgt_vocab_size=23,
+            d_model=16,
+            num_heads=2,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            d_ff=24,
+            dropout=0.0,
+            positional=positional,
+            dtype=dtype,
+            attention_impl=implementation,
+        )
+        model = EncoderDecoder(cfg, rngs=nnx.Rngs(seed))
+
+        def loss(model):
+            logits = model(src, tgt_in, src_segments, tgt_segments)
+            return cross_entropy(logits, tgt_out, (tgt_segments > 0).astype(jnp.float32), 0.1)[0]
+
+        results.append(_model_loss_and_grads(model, loss))
+    _assert_models_agree(*results, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=SLOW)])
+def test_fused_transformer_xl_equals_xla_through_the_memory(dtype):
+    """Loss and gradients of a second segment attending over the first's memory."""
+    tokens = jnp.asarray(np.random.default_rng().integers(0, 29, size=(2, 13)))
+    seed, results = fresh_seed(), []
+    for implementation in ("xla", "fused"):
+        cfg = LMConfig(
+            vocab_size=29,
+            d_model=16,
+            num_heads=2,
+            num_decoder_layers=2,
+            d_ff=24,
+            dropout=0.0,
+            mem_len=6,
+            positional="relative",
+            dtype=dtype,
+            attention_impl=implementation,
+        )
+        model = LanguageModel(cfg, rngs=nnx.Rngs(seed))
+
+        def loss(model):
+            _, memory = model(tokens[:, :6], tokens[:, 1:7], model.init_memory(2, 6))
+            nll, _ = model(tokens[:, 6:12], tokens[:, 7:13], memory)
+            return nll.mean()
+
+        results.append(_model_loss_and_grads(model, loss))
+    _assert_models_agree(*results, dtype)
+
+
+def _tiny_real_config(family: str, tfds_dir: str, dtype: str):
+    if family == "language_modeling":
+        config = tiny_config(tfds_dir)
+    else:
+        config = load(ROOT / "configs" / "multi30k_ende.py").get_config()
+        config.data.data_dir = tfds_dir
+        config.data.vocab_size, config.data.max_train_length = 400, 32
+        for key, value in dict(d_model=32, num_heads=4, d_ff=64, num_encoder_layers=1).items():
+            config.model[key] = value
+        config.model.num_decoder_layers = 1
+        config.train.batch_size = 16
+    config.model.dtype = dtype
+    config.train.learning_rate, config.train.warmup_steps = 3e-3, 1
+    return config
+
+
+@SLOW
+@pytest.mark.parametrize("family", ["translation", "language_modeling"])
+def test_bfloat16_training_tracks_float32_on_real_data(family, tmp_path, tfds_dir, multi30k_dir):
+    """Six real optimizer steps on Multi30k / PTB from the same initial parameters: the bfloat16
+    model's training loss stays within 2% of the float32 model's at every step."""
+    from xformer.tasks import make_task
+    from xformer.train_lib import train_step
+
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        task = make_task(_tiny_real_config(family, tfds_dir, dtype), str(tmp_path))
+        state, rng_state = task.exp.init_state(task.init_carry()), task.exp.rng_state
+        step, batches, losses[dtype] = jax.jit(functools.partial(train_step, task)), None, []
+        batches = task.train_batches()
+        for _ in range(6):
+            state, metrics = step(state, rng_state, next(batches))
+            losses[dtype].append(float(metrics["loss_sum"] / metrics["tokens"]))
+    assert losses["float32"][-1] < losses["float32"][0] - 0.1  # real steps: the loss falls
+    np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=0.02)
