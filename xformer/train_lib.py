@@ -16,7 +16,6 @@ from flax import nnx
 from xformer import config as config_lib
 from xformer import experiment as experiment_lib
 from xformer.files import write_json
-from xformer.metric_writer import MetricWriter
 from xformer.optim import learning_rate_schedule
 from xformer.tasks import make_task
 from xformer.timing import TrainClock, format_duration
@@ -128,6 +127,10 @@ def count_params(params) -> int:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Train (resuming from the workdir's last checkpoint) and return final validation metrics."""
+    # Imported here: tensorboardX (which imports torch where it is installed) serves the loop
+    # only, not the users of train_step (bench/gpu_throughput.py runs where it is missing).
+    from xformer.metric_writer import MetricWriter
+
     task = make_task(config, workdir)
     exp = task.exp
     experiment_lib.save_config(config, workdir)
