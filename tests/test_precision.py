@@ -181,6 +181,24 @@ def test_bfloat16_computes_in_bfloat16_and_scores_in_float32(param_dtype):
     assert log_probs.dtype == jnp.float32 and cache["self"][0]["k"].dtype == jnp.bfloat16
 
 
+def test_bfloat16_transformer_xl_keeps_its_memory_in_bfloat16():
+    cfg = LMConfig(
+        vocab_size=29,
+        d_model=16,
+        num_heads=2,
+        num_decoder_layers=2,
+        d_ff=24,
+        mem_len=4,
+        positional="relative",
+        dtype="bfloat16",
+    )
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    model.eval()  # no dropout draws inside eval_shape
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    nll, memory = jax.eval_shape(lambda: model(tokens, tokens, model.init_memory(2, 4)))
+    assert nll.dtype == jnp.float32 and memory["states"].dtype == jnp.bfloat16
+
+
 # Fused attention equals the reference ---------------------------------------------------------
 
 

@@ -101,6 +101,7 @@ class LanguageModel(nnx.Module):
             x = layer(x, mask, positional, i, None if memory is None else memory["states"][i])
         if memory is not None:
             states = jnp.concatenate([memory["states"], jnp.stack(inputs)], axis=2)[:, :, -mem_len:]
+            states = states.astype(memory["states"].dtype)  # stored in the model's dtype
             memory = {
                 "states": jax.lax.stop_gradient(states),
                 "filled": jnp.minimum(memory["filled"] + q_len, mem_len),
