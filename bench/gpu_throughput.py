@@ -70,7 +70,7 @@ On the device machine (its python3 has jax 0.11.2, flax, optax and orbax, not th
 `--quick` (`--tiny`) shrinks every model, batch and vocabulary (d_model 64, one layer (1+1),
 8 rows of 64 or 4 rows of 32 tokens, 1,000-3,000 types; 1 warm-up step, 3 windows of 2, all
 settings in one process): a check that the benchmark works end to end, not a measurement. It
-is compiling the 12 steps that takes the time: 3.4 min of CPU time (7.8 min wall on a 2-core
+is compiling the 12 steps that takes the time: ~3.5 min of CPU time (5-8 min wall on a 2-core
 machine shared with other jobs); `XLA_FLAGS=--xla_backend_optimization_level=0` compiles ~35%
 faster (and runs slower) where that matters.
 """
@@ -653,7 +653,7 @@ def main() -> None:
         report.update(device_kind=r["device_kind"], platform=r["platform"], jax=r["jax"])
         print(
             f"\ndevice: {r['device_kind']} ({r['platform']}, {r['devices']} device(s)), "
-            f"jax {r['jax']}; MFU peak: {fmt(r['peak_tflops'], '.0f')} TFLOP/s "
+            f"jax {r['jax']}; MFU peak: {fmt(r['peak_tflops'], '.4g')} TFLOP/s "
             f"({r['peak_source']})"
         )
     print(f"command: {command}\n")
