@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xformer import precision
+
 INIT = nnx.initializers.normal(0.02)
 
 
@@ -136,7 +138,8 @@ class AdaptiveLogSoftmax(nnx.Module):
             w = jnp.concatenate([w, self.cluster_weight[...]])
             b = jnp.concatenate([b, self.cluster_bias[...]])
         x = hidden if self.projs[i] is None else hidden @ self.projs[i][...].T
-        return jax.nn.log_softmax((x @ w.T + b).astype(jnp.float32))
+        logits = x @ w.T + b
+        return jax.nn.log_softmax(logits.astype(precision.at_least_float32(logits.dtype)))
 
     def log_probs(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, L, d_model] -> normalised log-probabilities [B, L, V] (float32)."""
