@@ -5,6 +5,10 @@ cutoffs (20000, 40000, 200000) with V = 267735 gives [0, 20k), [20k, 40k), [40k,
 [200k, V). Cluster i has dimension d_embed // div_val**i and, where that differs from d_model,
 a projection [d_i, d_model]. With div_val == 1 one table [V, d_embed] serves every cluster.
 Shapes are static throughout, so both modules work under jit.
+
+Precision: parameters are created in `param_dtype`; lookups, projections and logit matmuls run
+in `dtype` (None: the promoted dtype of the inputs and parameters); logits, log-softmax and
+NLL are in `jnp.promote_types(dtype, float32)` (float32 for bfloat16, float64 stays float64).
 """
 
 import dataclasses
@@ -14,8 +18,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from xformer import precision
 
 INIT = nnx.initializers.normal(0.02)
 
@@ -52,34 +54,53 @@ class ClusterLayout:
         return [(e - s, self.dims[g]) for g, (s, e) in enumerate(self.table_ranges)]
 
 
-def _param(rngs: nnx.Rngs, *shape: int, init=INIT) -> nnx.Param:
-    return nnx.Param(init(rngs.params(), shape))
+def _param(rngs: nnx.Rngs, *shape: int, dtype, init=INIT) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, dtype))
 
 
-def _proj(rngs: nnx.Rngs, d: int, d_model: int) -> nnx.Param | None:
-    return None if d == d_model else _param(rngs, d, d_model)
+def _proj(rngs: nnx.Rngs, d: int, d_model: int, dtype) -> nnx.Param | None:
+    return None if d == d_model else _param(rngs, d, d_model, dtype=dtype)
+
+
+def _dtypes(dtype, param_dtype) -> tuple[jnp.dtype | None, jnp.dtype]:
+    """(dtype or None, param_dtype) as numpy dtypes; param_dtype None means float32."""
+    return (None if dtype is None else jnp.dtype(dtype)), jnp.dtype(param_dtype or jnp.float32)
 
 
 class AdaptiveEmbedding(nnx.Module):
     """tokens [B, L] int -> [B, L, d_model]: per-cluster lookup, projection, times sqrt(d_model).
 
     `tables[g]` [n_g, d_g], initialised N(0, init_std); `projs[g]` [d_g, d_model], or None where
-    d_g == d_model.
+    d_g == d_model. Parameters are in `param_dtype`, the output in `dtype` (None: param dtype).
     """
 
-    def __init__(self, layout: ClusterLayout, *, rngs: nnx.Rngs, init_std: float = 0.02):
+    def __init__(
+        self,
+        layout: ClusterLayout,
+        *,
+        rngs: nnx.Rngs,
+        init_std: float = 0.02,
+        dtype=None,
+        param_dtype=jnp.float32,
+    ):
         self.layout = lay = layout
+        self.dtype, self.param_dtype = pdt = _dtypes(dtype, param_dtype)
         init = nnx.initializers.normal(init_std)
-        self.tables = nnx.List([_param(rngs, n, d, init=init) for n, d in lay.table_shapes()])
-        self.projs = nnx.List([_proj(rngs, d, lay.d_model) for _, d in lay.table_shapes()])
+        self.tables = nnx.List(
+            [_param(rngs, n, d, dtype=pdt[1], init=init) for n, d in lay.table_shapes()]
+        )
+        self.projs = nnx.List([_proj(rngs, d, lay.d_model, pdt[1]) for _, d in lay.table_shapes()])
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        out = jnp.zeros((*tokens.shape, self.layout.d_model), self.tables[0].dtype)
+        dtype = self.dtype
+        if dtype is None:
+            dtype = jnp.result_type(*(t.dtype for t in self.tables))
+        out = jnp.zeros((*tokens.shape, self.layout.d_model), dtype)
         for (start, end), table, proj in zip(
             self.layout.table_ranges, self.tables, self.projs, strict=True
         ):
-            x = table[...][jnp.clip(tokens - start, 0, end - start - 1)]
-            x = x if proj is None else x @ proj[...]
+            x = table[...][jnp.clip(tokens - start, 0, end - start - 1)].astype(dtype)
+            x = x if proj is None else x @ proj[...].astype(dtype)
             out = jnp.where(((tokens >= start) & (tokens < end))[..., None], x, out)
         return out * math.sqrt(self.layout.d_model)
 
@@ -93,6 +114,12 @@ class AdaptiveLogSoftmax(nnx.Module):
     h [d_model] -> [d_i] with `projs[i]` (h @ P^T, P [d_i, d_model]) unless d_i == d_model.
     `tie_embedding` shares its tables (same nnx.Param objects) as output weights; `tie_projs[i]`
     shares cluster i's embedding projection. Biases are never shared.
+
+    `capacity` > 0 makes `nll` score each tail cluster i on C = ceil(capacity * N) gathered
+    rows only (N = B * L; the positions whose target is in cluster i, padded), projection
+    included. A batch with more than C such targets scores that cluster densely, all N
+    positions, C rows at a time (lax.cond on the count), so the result is exact either way and
+    no [N, n_i] array is built. `log_probs` is always dense.
     """
 
     def __init__(
@@ -102,6 +129,9 @@ class AdaptiveLogSoftmax(nnx.Module):
         rngs: nnx.Rngs,
         tie_embedding: AdaptiveEmbedding | None = None,
         tie_projs: Sequence[bool] | None = None,
+        capacity: float = 0.0,
+        dtype=None,
+        param_dtype=jnp.float32,
     ):
         self.layout = lay = layout
         n = len(lay.clusters)
@@ -112,37 +142,54 @@ class AdaptiveLogSoftmax(nnx.Module):
             raise ValueError("tie_embedding has a different vocabulary/cluster layout")
         if tie_embedding is None and any(tie_projs):
             raise ValueError("tie_projs needs tie_embedding")
+        if not 0.0 <= capacity <= 1.0:
+            raise ValueError(f"capacity must lie in [0, 1], got {capacity}")
+        self.capacity = float(capacity)
+        self.dtype, self.param_dtype = _dtypes(dtype, param_dtype)
+        pdt = self.param_dtype
         if tie_embedding is not None:
             self.tables = tie_embedding.tables
         else:
-            self.tables = nnx.List([_param(rngs, n_g, d) for n_g, d in lay.table_shapes()])
+            self.tables = nnx.List([_param(rngs, m, d, dtype=pdt) for m, d in lay.table_shapes()])
         self.projs = nnx.List(
             [
                 tie_embedding.projs[lay.table_of(i)]
                 if tie
-                else _proj(rngs, lay.dims[i], lay.d_model)
+                else _proj(rngs, lay.dims[i], lay.d_model, pdt)
                 for i, tie in enumerate(tie_projs)
             ]
         )
-        self.bias = nnx.Param(jnp.zeros(lay.vocab_size))
-        self.cluster_weight = _param(rngs, n - 1, lay.dims[0]) if n > 1 else None
-        self.cluster_bias = nnx.Param(jnp.zeros(n - 1)) if n > 1 else None
+        self.bias = nnx.Param(jnp.zeros(lay.vocab_size, pdt))
+        self.cluster_weight = _param(rngs, n - 1, lay.dims[0], dtype=pdt) if n > 1 else None
+        self.cluster_bias = nnx.Param(jnp.zeros(n - 1, pdt)) if n > 1 else None
 
-    def _log_softmax(self, hidden: jax.Array, i: int) -> jax.Array:
-        """Cluster i's log-softmax [B, L, n_i] (the head's has n_tails extra entries)."""
+    def _dtypes(self, hidden: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
+        """(compute dtype, log-softmax dtype) for these hidden states."""
+        dtype = self.dtype
+        if dtype is None:
+            dtype = jnp.result_type(hidden.dtype, self.bias.dtype, self.tables[0].dtype)
+        return dtype, jnp.promote_types(dtype, jnp.float32)
+
+    def _cluster(self, i: int, dtype, acc) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Cluster i's (weights [n_i, d_i] in dtype, bias [n_i] in acc, projection [d_i, d] or
+        None); the head's weights and bias have n_tails extra rows, the cluster logits."""
         start, end = self.layout.clusters[i]
         g = self.layout.table_of(i)
         row = start - self.layout.table_ranges[g][0]
         w, b = self.tables[g][row : row + end - start], self.bias[start:end]
         if i == 0 and self.cluster_weight is not None:
-            w = jnp.concatenate([w, self.cluster_weight[...]])
-            b = jnp.concatenate([b, self.cluster_bias[...]])
-        x = hidden if self.projs[i] is None else hidden @ self.projs[i][...].T
-        logits = x @ w.T + b
-        return jax.nn.log_softmax(logits.astype(precision.at_least_float32(logits.dtype)))
+            w = jnp.concatenate([w, self.cluster_weight[...].astype(w.dtype)])
+            b = jnp.concatenate([b, self.cluster_bias[...].astype(b.dtype)])
+        proj = self.projs[i]
+        return w.astype(dtype), b.astype(acc), None if proj is None else proj[...].astype(dtype)
+
+    def _log_softmax(self, hidden: jax.Array, i: int) -> jax.Array:
+        """Cluster i's log-softmax [..., n_i] (the head's has n_tails extra entries)."""
+        dtype, acc = self._dtypes(hidden)
+        return jax.nn.log_softmax(_logits(hidden.astype(dtype), *self._cluster(i, dtype, acc)))
 
     def log_probs(self, hidden: jax.Array) -> jax.Array:
-        """hidden [B, L, d_model] -> normalised log-probabilities [B, L, V] (float32)."""
+        """hidden [B, L, d_model] -> normalised log-probabilities [B, L, V] (float32 or wider)."""
         head = self._log_softmax(hidden, 0)
         shortlist = self.layout.clusters[0][1]
         parts = [head[..., :shortlist]]
@@ -151,21 +198,132 @@ class AdaptiveLogSoftmax(nnx.Module):
         return jnp.concatenate(parts, axis=-1)
 
     def nll(self, hidden: jax.Array, targets: jax.Array) -> jax.Array:
-        """hidden [B, L, d_model], targets [B, L] int -> -log p(target) [B, L] (float32).
+        """hidden [B, L, d_model], targets [B, L] int -> -log p(target) [B, L] (float32 or wider).
 
         Scores the head and each tail cluster separately; the [B, L, V] array is never built.
+        With `capacity` > 0 a tail cluster is scored on the gathered rows of its targets only.
         """
-        head = self._log_softmax(hidden, 0)
+        dtype, acc = self._dtypes(hidden)
+        shape, d = targets.shape, self.layout.d_model
+        h, t = hidden.reshape(-1, d).astype(dtype), targets.reshape(-1)
+        n = t.shape[0]
+        cap = min(n, max(1, math.ceil(round(self.capacity * n, 6)))) if self.capacity else 0
+        head = jax.nn.log_softmax(_logits(h, *self._cluster(0, dtype, acc)))
         shortlist = self.layout.clusters[0][1]
-        logp = _gather(head, jnp.clip(targets, 0, shortlist - 1))
+        logp = _gather(head, jnp.clip(t, 0, shortlist - 1))
         for i, (start, end) in enumerate(self.layout.clusters[1:], start=1):
-            tail = _gather(
-                self._log_softmax(hidden, i), jnp.clip(targets - start, 0, end - start - 1)
-            )
-            logp = jnp.where(targets >= start, head[..., shortlist + i - 1] + tail, logp)
-        return -logp
+            local, member = jnp.clip(t - start, 0, end - start - 1), (t >= start) & (t < end)
+            w, b, proj = self._cluster(i, dtype, acc)
+            if cap:
+                tail = _sparse_tail_logp(cap, h, w, b, proj, local, member)
+            else:
+                tail = _dense_tail_logp(h, w, b, proj, local, member)
+            logp = jnp.where(member, head[:, shortlist + i - 1] + tail, logp)
+        return -logp.reshape(shape)
 
 
 def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
     """x [..., n], index [...] -> x[..., index]."""
     return jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0]
+
+
+def _logits(h: jax.Array, w: jax.Array, b: jax.Array, proj: jax.Array | None) -> jax.Array:
+    """h [..., d_model] -> (h @ proj^T) @ w^T + b [..., n] in b's dtype (the matmuls in h's)."""
+    x = h if proj is None else h @ proj.T
+    return jnp.matmul(x, w.T, preferred_element_type=b.dtype) + b
+
+
+def _dense_tail_logp(h, w, b, proj, local, member) -> jax.Array:
+    """Every row [N, d]: log p(local target | cluster) [N] where `member`, else 0."""
+    return jnp.where(member, _gather(jax.nn.log_softmax(_logits(h, w, b, proj)), local), 0.0)
+
+
+def _compact(member: jax.Array, cap: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """member [N] bool -> (rows [cap]: the first cap member positions in order, padded with 0;
+    used [cap] bool: rows[k] is a member; slot [N]: each member's index in rows; overflow:
+    there are more than cap members)."""
+    slot = jnp.cumsum(member, dtype=jnp.int32) - 1
+    count = slot[-1] + 1
+    index = jnp.where(member & (slot < cap), slot, cap)  # cap: dropped
+    rows = (
+        jnp.zeros(cap, jnp.int32)
+        .at[index]
+        .set(jnp.arange(len(member), dtype=jnp.int32), mode="drop")
+    )
+    return rows, jnp.arange(cap) < count, jnp.clip(slot, 0, cap - 1), count > cap
+
+
+def _sparse_tail_logp(cap, h, w, b, proj, local, member) -> jax.Array:
+    """`_dense_tail_logp` [N] computed on the (at most cap) member rows only. With more members
+    it scores every row, cap consecutive rows at a time, so that no [N, n] array is built
+    either way. A custom VJP saves the gathered rows' softmax [cap, n] for the backward pass
+    (lax.cond's own autodiff would save the dense branch's residuals too, zeros when unused);
+    the dense fallback recomputes each chunk's softmax in the backward pass."""
+    n, d = h.shape
+    chunks = -(-n // cap)
+    chunk_rows = jnp.minimum(jnp.arange(chunks * cap, dtype=jnp.int32), n - 1).reshape(-1, cap)
+    chunk_used = (jnp.arange(chunks * cap) < n).reshape(-1, cap)  # False: padding
+
+    @jax.custom_vjp
+    def tail_logp(h, w, b, proj, local, member):
+        return fwd(h, w, b, proj, local, member)[0]
+
+    def fwd(h, w, b, proj, local, member):
+        params = (h, w, b, proj)
+        rows, used, slot, overflow = _compact(member, cap)
+
+        def sparse():
+            log_p, probs = _score_rows(params, local, rows)
+            return jnp.where(member, log_p[slot], 0.0), probs
+
+        def dense():
+            log_p = jax.lax.map(lambda r: _score_rows(params, local, r)[0], chunk_rows)
+            out = jnp.where(member, log_p.reshape(-1)[:n], 0.0)
+            return out, jnp.zeros((cap, w.shape[0]), b.dtype)
+
+        out, probs = jax.lax.cond(overflow, dense, sparse)
+        return out, (params, local, member, rows, used, overflow, probs)
+
+    def bwd(res, g):
+        params, local, member, rows, used, overflow, probs = res
+        h = params[0]
+
+        def sparse():
+            g_rows = jnp.where(used, g[rows], 0.0)
+            dh_rows, *d_params = _backprop_rows(params, local, rows, g_rows, probs)
+            return jnp.zeros_like(h).at[rows].add(dh_rows), *d_params
+
+        def dense():
+            def step(total, chunk):
+                rows, used = chunk
+                g_rows = jnp.where(used & member[rows], g[rows], 0.0)
+                probs = _score_rows(params, local, rows)[1]
+                dh_rows, *d_params = _backprop_rows(params, local, rows, g_rows, probs)
+                return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, d_params), dh_rows
+
+            acc = jnp.promote_types(b.dtype, jnp.float32)
+            zeros = [jax.tree.map(lambda x: jnp.zeros(x.shape, acc), x) for x in params[1:]]
+            total, dh = jax.lax.scan(step, zeros, (chunk_rows, chunk_used))
+            d_params = jax.tree.map(lambda t, x: t.astype(x.dtype), total, list(params[1:]))
+            return dh.reshape(-1, d)[:n], *d_params
+
+        return (*jax.lax.cond(overflow, dense, sparse), None, None)
+
+    tail_logp.defvjp(fwd, bwd)
+    return tail_logp(h, w, b, proj, local, member)
+
+
+def _score_rows(params, local, rows) -> tuple[jax.Array, jax.Array]:
+    """params (h [N, d], w, b, proj), rows [R] -> (log p(local target) [R], softmax [R, n])."""
+    h, *wbp = params
+    log_p = jax.nn.log_softmax(_logits(h[rows], *wbp))
+    return _gather(log_p, local[rows]), jnp.exp(log_p)
+
+
+def _backprop_rows(params, local, rows, g_rows, probs) -> list:
+    """Cotangents g_rows [R] of `_score_rows`'s log-probabilities (zero for rows not scored)
+    -> [d h[rows] [R, d], d w, d b, d proj]: d log p(t) / d logits = onehot(t) - softmax."""
+    h, *wbp = params
+    d_logits = (-g_rows[:, None] * probs).at[jnp.arange(len(rows)), local[rows]].add(g_rows)
+    _, vjp = jax.vjp(_logits, h[rows], *wbp)  # its forward value is unused: jit drops it
+    return list(vjp(d_logits.astype(probs.dtype)))
