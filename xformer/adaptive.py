@@ -8,7 +8,7 @@ Shapes are static throughout, so both modules work under jit.
 
 Precision: parameters are created in `param_dtype`; lookups, projections and logit matmuls run
 in `dtype` (None: the promoted dtype of the inputs and parameters); logits, log-softmax and
-NLL are in `jnp.promote_types(dtype, float32)` (float32 for bfloat16, float64 stays float64).
+NLL are in `precision.at_least_float32(dtype)` (float32 for bfloat16, float64 stays float64).
 """
 
 import dataclasses
@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from xformer import precision
 
 INIT = nnx.initializers.normal(0.02)
 
@@ -168,7 +170,7 @@ class AdaptiveLogSoftmax(nnx.Module):
         dtype = self.dtype
         if dtype is None:
             dtype = jnp.result_type(hidden.dtype, self.bias.dtype, self.tables[0].dtype)
-        return dtype, jnp.promote_types(dtype, jnp.float32)
+        return dtype, precision.at_least_float32(dtype)
 
     def _cluster(self, i: int, dtype, acc) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Cluster i's (weights [n_i, d_i] in dtype, bias [n_i] in acc, projection [d_i, d] or
@@ -301,7 +303,7 @@ def _sparse_tail_logp(cap, h, w, b, proj, local, member) -> jax.Array:
                 dh_rows, *d_params = _backprop_rows(params, local, rows, g_rows, probs)
                 return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, d_params), dh_rows
 
-            acc = jnp.promote_types(b.dtype, jnp.float32)
+            acc = precision.at_least_float32(b.dtype)
             zeros = [jax.tree.map(lambda x: jnp.zeros(x.shape, acc), x) for x in params[1:]]
             total, dh = jax.lax.scan(step, zeros, (chunk_rows, chunk_used))
             d_params = jax.tree.map(lambda t, x: t.astype(x.dtype), total, list(params[1:]))
