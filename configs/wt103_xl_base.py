@@ -26,6 +26,9 @@ def get_config():
     c.model.adaptive_cutoffs = (20000, 40000, 200000)
     c.model.div_val = 1
     c.model.tie_projs = (False, True, True, True)
+    # Each tail is scored on 15% of the positions (a Zipf(1.1) stream puts 3-7% of targets in
+    # each); a batch with more is scored densely, so the loss is exact either way.
+    c.model.adaptive_capacity = 0.15
 
     c.data.segment_length = 150
 

@@ -35,7 +35,7 @@ class LanguageModel(nnx.Module):
         # Absolute positions are added to the embeddings at unit scale, so the embeddings
         # start at unit scale too (Vaswani et al.); otherwise N(0, 0.02) tables as in XL.
         init_std = d_embed**-0.5 if cfg.absolute else 0.02
-        self.embed = AdaptiveEmbedding(clusters, rngs=rngs, init_std=init_std)
+        self.embed = AdaptiveEmbedding(clusters, rngs=rngs, init_std=init_std, **cfg.dtypes)
         self.dropout = Dropout(cfg.dropout, rngs=rngs)
         self.positional = SCHEMES[cfg.positional](cfg, cfg.num_layers, rngs=rngs)
         self.layers = nnx.List(
@@ -49,7 +49,9 @@ class LanguageModel(nnx.Module):
             clusters,
             tie_embedding=self.embed if cfg.tie_output else None,
             tie_projs=cfg.tie_projs or None,
+            capacity=cfg.adaptive_capacity,
             rngs=rngs,
+            **cfg.dtypes,
         )
 
     def init_memory(self, batch_size: int, mem_len: int) -> Memory | None:
