@@ -12,6 +12,7 @@ from flax import nnx
 from xformer import precision
 from xformer.dropout import Dropout
 from xformer.layout import Layout
+from xformer.linear import Linear
 from xformer.positional.base import BoundScheme
 
 IMPLEMENTATIONS = ("xla", "fused")  # model.attention_impl
@@ -106,11 +107,11 @@ class MultiHeadAttention(nnx.Module):
         self.implementation = implementation
         linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if kind == "self":
-            self.qkv_proj = nnx.Linear(d_model, 3 * d_model, **linear)
+            self.qkv_proj = Linear(d_model, 3 * d_model, **linear)
         else:
-            self.q_proj = nnx.Linear(d_model, d_model, **linear)
-            self.kv_proj = nnx.Linear(d_model, 2 * d_model, **linear)
-        self.out_proj = nnx.Linear(d_model, d_model, **linear)
+            self.q_proj = Linear(d_model, d_model, **linear)
+            self.kv_proj = Linear(d_model, 2 * d_model, **linear)
+        self.out_proj = Linear(d_model, d_model, **linear)
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def _heads(self, x: jax.Array, n: int) -> list[jax.Array]:

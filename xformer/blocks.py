@@ -9,6 +9,7 @@ from flax import nnx
 
 from xformer.attention import MultiHeadAttention
 from xformer.dropout import Dropout
+from xformer.linear import Linear
 from xformer.positional.base import BoundScheme
 
 
@@ -47,8 +48,8 @@ class FeedForward(nnx.Module):
     """Linear(d, d_ff) -> ReLU -> dropout -> Linear(d_ff, d)."""
 
     def __init__(self, d_model: int, d_ff: int, *, dropout: float, rngs: nnx.Rngs, **dtypes):
-        self.up = nnx.Linear(d_model, d_ff, **dtypes, rngs=rngs)
-        self.down = nnx.Linear(d_ff, d_model, **dtypes, rngs=rngs)
+        self.up = Linear(d_model, d_ff, **dtypes, rngs=rngs)
+        self.down = Linear(d_ff, d_model, **dtypes, rngs=rngs)
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -19,6 +19,7 @@ from flax import nnx
 from xformer import precision
 from xformer.dropout import Dropout
 from xformer.layout import Layout
+from xformer.linear import Linear
 from xformer.positional.absolute import check_even_d_model, sinusoidal_encoding
 from xformer.positional.base import PositionalScheme
 
@@ -59,7 +60,7 @@ class XLRelativePositions(PositionalScheme):
         self.d_model, (self.num_heads, self.head_dim) = d, heads
         self.clamp_len, self.dtype = cfg.clamp_len, jnp.dtype(cfg.dtype)
         self.r_proj = nnx.List(
-            [nnx.Linear(d, d, use_bias=False, **cfg.dtypes, rngs=rngs) for _ in range(num_layers)]
+            [Linear(d, d, use_bias=False, **cfg.dtypes, rngs=rngs) for _ in range(num_layers)]
         )  # W_{k,R} per layer
         init = nnx.initializers.normal(0.02)
         self.untied = cfg.untie_relative_biases
