@@ -1,7 +1,10 @@
 """Token-level losses with padding weights."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def cross_entropy(
@@ -9,17 +12,66 @@ def cross_entropy(
 ) -> tuple[jax.Array, jax.Array]:
     """Label-smoothed cross-entropy and plain NLL, both summed over weighted tokens.
 
-    logits [B, L, V], targets [B, L] int, weights [B, L] (0 on padding) -> (loss_sum, nll_sum).
-    The smoothed loss subtracts the entropy of the smoothed target, so its minimum is 0.
+    logits [..., V], targets [...] int, weights [...] (0 on padding) -> (loss_sum, nll_sum), in
+    the logits' dtype promoted to at least float32 (bfloat16 logits are upcast; float64 stays).
+    The smoothed target puts 1 - label_smoothing on the target and label_smoothing / (V - 1) on
+    every other token; the loss subtracts that target's entropy, so its minimum is 0.
+
+    With z = logits - max and lse = log sum exp z, per token: nll = lse - z_t and the smoothed
+    loss = lse - (conf - low) z_t - low sum(z) - entropy: three reductions over the logits and no
+    [..., V] intermediate; a custom VJP computes the gradient (softmax - smoothed target) * weight
+    in one elementwise pass.
     """
-    vocab = logits.shape[-1]
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    if label_smoothing:
-        confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
-        smooth = -(log_probs.sum(-1) + nll) * low  # mass on the other V-1 tokens
-        entropy = -(confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low))
-        loss = confidence * nll + smooth - entropy
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    weights = jnp.asarray(weights).astype(dtype)
+    return _cross_entropy(logits, targets, weights, float(label_smoothing))
+
+
+def _smoothing(vocab: int, label_smoothing: float) -> tuple[float, float, float]:
+    """(target probability, probability of each other token, entropy of that distribution)."""
+    if not label_smoothing:
+        return 1.0, 0.0, 0.0
+    conf, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+    return conf, low, float(-(conf * np.log(conf) + (vocab - 1) * low * np.log(low)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cross_entropy(logits, targets, weights, label_smoothing):
+    return _forward(logits, targets, weights, label_smoothing)[0]
+
+
+def _forward(logits, targets, weights, label_smoothing):
+    conf, low, entropy = _smoothing(logits.shape[-1], label_smoothing)
+    x = logits.astype(weights.dtype)
+    top = x.max(-1)
+    lse = jnp.log(jnp.exp(x - top[..., None]).sum(-1))  # each [..., V] pass fuses into a reduce
+    z_target = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - top
+    nll = lse - z_target
+    if low:
+        z_sum = x.sum(-1) - x.shape[-1] * top
+        loss = lse - (conf - low) * z_target - low * z_sum - entropy
     else:
         loss = nll
-    return (loss * weights).sum(), (nll * weights).sum()
+    sums = ((loss * weights).sum(), (nll * weights).sum())
+    return sums, (logits, targets, weights, lse + top, loss, nll)
+
+
+def _backward(label_smoothing, residuals, cotangents):
+    logits, targets, weights, lse, loss, nll = residuals
+    d_loss, d_nll = cotangents
+    conf, low, _ = _smoothing(logits.shape[-1], label_smoothing)
+    g_loss, g_nll = d_loss * weights, d_nll * weights
+    # d/dx of sum_j -q_j log p_j is p - q, with q = low + (conf - low) [j = target].
+    p = jnp.exp(logits.astype(lse.dtype) - lse[..., None])
+    is_target = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+    is_target = is_target == targets[..., None]
+    on_target = (g_loss * (conf - low) + g_nll)[..., None]
+    d_logits = (
+        (g_loss + g_nll)[..., None] * p
+        - (g_loss * low)[..., None]
+        - jnp.where(is_target, on_target, 0.0)
+    )
+    return d_logits.astype(logits.dtype), None, d_loss * loss + d_nll * nll
+
+
+_cross_entropy.defvjp(_forward, _backward)

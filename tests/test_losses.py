@@ -1,0 +1,108 @@
+"""cross_entropy (custom VJP) against independent numpy formulas: values, gradients, dtypes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xformer.losses import cross_entropy
+
+
+def numpy_reference(logits, targets, weights, smoothing):
+    """(loss_sum, nll_sum, d loss_sum / d logits, d nll_sum / d logits) in float64, from the
+    smoothed target distribution q written out explicitly."""
+    x = np.asarray(logits, np.float64)
+    v = x.shape[-1]
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    onehot = np.eye(v)[targets]
+    q = onehot * (1 - smoothing) + (1 - onehot) * (smoothing / (v - 1) if smoothing else 0.0)
+    log_q = np.log(np.where(q > 0, q, 1.0))
+    kl = (q * (log_q - np.log(p))).sum(-1)  # cross-entropy minus the entropy of q
+    nll = -np.log((p * onehot).sum(-1))
+    w = np.asarray(weights, np.float64)[..., None]
+    return (kl * w[..., 0]).sum(), (nll * w[..., 0]).sum(), (p - q) * w, (p - onehot) * w
+
+
+def random_inputs(rng, shape, vocab, scale=3.0):
+    logits = rng.standard_normal((*shape, vocab)) * scale + rng.standard_normal()
+    targets = rng.integers(0, vocab, shape)
+    weights = rng.random(shape) * (rng.random(shape) < 0.8)  # fractional weights and zeros
+    return logits, targets, weights
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4)])
+def test_values_and_gradients_match_numpy(smoothing, shape):
+    rng = np.random.default_rng()
+    vocab = int(rng.integers(5, 40))
+    logits, targets, weights = random_inputs(rng, shape, vocab)
+    loss, nll, d_loss, d_nll = numpy_reference(logits, targets, weights, smoothing)
+    x, t, w = (jnp.asarray(a, jnp.float32) for a in (logits, targets, weights))
+    t = t.astype(jnp.int32)
+    got = cross_entropy(x, t, w, smoothing)
+    assert all(g.dtype == jnp.float32 for g in got)
+    np.testing.assert_allclose(got, (loss, nll), rtol=2e-5, atol=1e-5)
+    for index, expected in ((0, d_loss), (1, d_nll)):
+        grad = jax.jit(jax.grad(lambda x, i=index: cross_entropy(x, t, w, smoothing)[i]))(x)
+        np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_of_a_mix_of_both_outputs_and_of_the_weights():
+    rng = np.random.default_rng()
+    logits, targets, weights = random_inputs(rng, (4, 6), 13)
+    _, _, d_loss, d_nll = numpy_reference(logits, targets, weights, 0.2)
+    x, w = jnp.asarray(logits, jnp.float32), jnp.asarray(weights, jnp.float32)
+    t = jnp.asarray(targets)
+
+    def mix(x, w):
+        loss, nll = cross_entropy(x, t, w, 0.2)
+        return 0.7 * loss - 1.3 * nll
+
+    dx, dw = jax.grad(mix, argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(dx, 0.7 * d_loss - 1.3 * d_nll, rtol=1e-4, atol=1e-6)
+    expected = np.zeros_like(weights)  # d/dw_i: token i's own loss and NLL
+    for i in np.ndindex(weights.shape):
+        one_loss, one_nll, _, _ = numpy_reference(logits[i], targets[i], 1.0, 0.2)
+        expected[i] = 0.7 * one_loss - 1.3 * one_nll
+    np.testing.assert_allclose(dw, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_bool_weights_and_bfloat16_logits_give_float32_loss_and_bfloat16_gradient():
+    rng = np.random.default_rng()
+    logits, targets, weights = random_inputs(rng, (3, 4), 17)
+    mask = weights > 0
+    x16 = jnp.asarray(logits, jnp.bfloat16)
+    loss, nll, d_loss, _ = numpy_reference(np.asarray(x16, np.float64), targets, mask, 0.1)
+    got = cross_entropy(x16, jnp.asarray(targets), jnp.asarray(mask), 0.1)
+    assert got[0].dtype == jnp.float32
+    np.testing.assert_allclose(got, (loss, nll), rtol=2e-5, atol=1e-5)
+    grad = jax.grad(lambda x: cross_entropy(x, jnp.asarray(targets), jnp.asarray(mask), 0.1)[0])
+    d = grad(x16)
+    assert d.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(d, np.float64), d_loss, rtol=2e-2, atol=2e-3)
+
+
+def test_float64_stays_float64_to_1e12():
+    rng = np.random.default_rng()
+    logits, targets, weights = random_inputs(rng, (3, 5), 23, scale=10.0)
+    loss, nll, d_loss, _ = numpy_reference(logits, targets, weights, 0.1)
+    with jax.enable_x64(True):
+        x, w = jnp.asarray(logits, jnp.float64), jnp.asarray(weights, jnp.float64)
+        t = jnp.asarray(targets)
+        got = jax.jit(lambda x: cross_entropy(x, t, w, 0.1))(x)
+        d = jax.jit(jax.grad(lambda x: cross_entropy(x, t, w, 0.1)[0]))(x)
+        assert got[0].dtype == d.dtype == jnp.float64
+        np.testing.assert_allclose(got, (loss, nll), rtol=1e-12)
+        np.testing.assert_allclose(d, d_loss, rtol=1e-10, atol=1e-14)
+
+
+def test_large_logits_are_stable():
+    """A shift by 1e4 changes nothing (the max is subtracted before exp)."""
+    rng = np.random.default_rng()
+    logits, targets, weights = random_inputs(rng, (2, 3), 11)
+    args = jnp.asarray(targets), jnp.asarray(weights, jnp.float32), 0.1
+    base = cross_entropy(jnp.asarray(logits, jnp.float32), *args)
+    shifted = cross_entropy(jnp.asarray(logits + 1e4, jnp.float32), *args)
+    assert np.all(np.isfinite(shifted))
+    np.testing.assert_allclose(shifted, base, rtol=1e-3)
