@@ -1,0 +1,490 @@
+"""Benchmark 1 of issue 12: xformer's train step against PyTorch nn.Transformer on CPU.
+
+    pip install -e ".[bench]"
+    python bench/cpu_vs_pytorch.py                 # 5 interleaved rounds, the table, JSON
+    python bench/cpu_vs_pytorch.py --profile       # also: xformer's top ops by time
+
+Both sides train the same model on the same batch: post-LN encoder-decoder, d_model 256, 4
+heads, 3 + 3 layers, d_ff 1024, vocabulary 8,000 with separate source and target embeddings
+and an untied output projection without bias, sinusoidal positions added to the embeddings
+scaled by sqrt(d_model), dropout 0.1 on embeddings, residual branches, attention weights and
+after the FFN's ReLU, label smoothing 0.1, Adam (b2 0.98, eps 1e-9), 64 rows of 32 source + 32
+target tokens (no padding; the decoder is causal).
+
+- xformer: the train step train.py runs (`train_lib.train_step`, jitted with the train state
+  donated), built from a validated config like training (`experiment.setup`, the translation
+  task's `loss_terms`), fed the batch layout of packed training rows (one pair per row).
+- PyTorch: `nn.Transformer(batch_first=True)` without its final encoder/decoder LayerNorms
+  (post-LN stacks need none; xformer has none), `nn.Embedding` x2, `nn.Linear(bias=False)`,
+  `CrossEntropyLoss(label_smoothing=0.1)`, `torch.optim.Adam` (its default implementation),
+  `torch.set_num_threads(--threads)` (default: the cores this process may use) and
+  OMP_WAIT_POLICY=PASSIVE unless the environment sets it: on a machine shared with other
+  processes, OpenMP's default spin-waiting workers lose whole time slices (measured: 11.8 s
+  against 4.3 s per PyTorch step at load average 3.7 on 2 cores). It is set before anything
+  imports torch (tensorboardX, imported by xformer, does).
+
+After one warm-up (compilation) and `--warmup` steps of each, every round times `--steps` steps
+of xformer, then `--steps` of PyTorch; tokens/s counts source + target tokens (4,096 a step), the
+median over rounds is reported with the ratio of the medians and the median of per-round ratios.
+GFLOP/s uses two FLOP counts: XLA's cost analysis of the compiled xformer step, and one analytic
+count for both (`analytic_train_flops`: 2 FLOPs per multiply-add of every matmul of the forward
+pass - projections, FFN, attention scores and weighted values, output layer - times 3 for
+forward + backward; embeddings, softmax, LayerNorm, dropout, loss and Adam are not counted).
+The ceiling is `bench/matmul_ceiling.py`'s f32 2048^3 matmul (median of 3), measured at the end
+of every round; the table divides by the median over rounds.
+
+`--profile` traces `--profile_steps` xformer steps with `jax.profiler`, ranks the XLA ops
+(thunks: fusions, YNNPACK matmul fusions, Eigen dots, copies) of the trace by their time, and
+sums them by category; each op's kind (matmul, transpose, reduce, elementwise) and innermost
+xformer source line come from the optimized HLO's metadata. Shares are of the summed op time.
+Caveat: Eigen `dot.N` thunks finish asynchronously, so the trace under-counts them and their
+time shows up in the ops that run beside them (usually the next matmul); matmul totals are
+roughly right (ops sum to about the wall time), single matmul ops are not. `--rounds 0
+--no_torch --profile` profiles only.
+"""
+
+import argparse
+import collections
+import functools
+import glob
+import gzip
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch's OpenMP starts (docstring)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from matmul_ceiling import matmul_gflops  # noqa: E402
+
+from xformer import config as config_lib  # noqa: E402
+from xformer import experiment as experiment_lib  # noqa: E402
+from xformer import model_config, train_lib  # noqa: E402
+from xformer.models import EncoderDecoder  # noqa: E402
+from xformer.tasks.translation import TranslationTask  # noqa: E402
+
+SHAPE = dict(
+    d_model=256, num_heads=4, layers=3, d_ff=1024, vocab=8000, rows=64, src_len=32, tgt_len=32
+)
+DROPOUT, LABEL_SMOOTHING, LR = 0.1, 0.1, 1e-4
+VOCAB_DIM = re.compile(rf"[\[,]{SHAPE['vocab']}[\],]")  # a vocabulary-sized HLO dimension
+
+
+def analytic_train_flops(
+    d_model, num_heads, layers, d_ff, vocab, rows, src_len, tgt_len, **_
+) -> float:
+    """Matmul FLOPs of one train step: 2 per multiply-add of the forward pass, times 3."""
+    ns, nt, d = rows * src_len, rows * tgt_len, d_model
+    proj = 4 * d * d  # q, k, v, out
+    ffn = 2 * d * d_ff
+    enc = ns * (proj + ffn) + 2 * rows * src_len * src_len * d  # scores + weighted values
+    dec_self = nt * proj + 2 * rows * tgt_len * tgt_len * d
+    dec_cross = nt * 2 * d * d + ns * 2 * d * d + 2 * rows * tgt_len * src_len * d
+    dec = dec_self + dec_cross + nt * ffn
+    macs = layers * (enc + dec) + nt * d * vocab
+    return 3 * 2 * float(macs)
+
+
+def make_batch(seed: int = 0) -> dict[str, np.ndarray]:
+    """Random ids in [4, vocab), one pair per row, no padding: the packed-row layout."""
+    s = SHAPE
+    rng = np.random.default_rng(seed)
+    b, ls, lt = s["rows"], s["src_len"], s["tgt_len"]
+    tgt = rng.integers(4, s["vocab"], (b, lt + 1)).astype(np.int32)
+    return {
+        "src": rng.integers(4, s["vocab"], (b, ls)).astype(np.int32),
+        "tgt_in": tgt[:, :-1],
+        "tgt_out": tgt[:, 1:],
+        "src_segments": np.ones((b, ls), np.int32),
+        "tgt_segments": np.ones((b, lt), np.int32),
+        "src_positions": np.broadcast_to(np.arange(ls, dtype=np.int32), (b, ls)).copy(),
+        "tgt_positions": np.broadcast_to(np.arange(lt, dtype=np.int32), (b, lt)).copy(),
+    }
+
+
+def xformer_config():
+    """The benchmark model as a train.py config (validated as training validates it)."""
+    s = SHAPE
+    c = config_lib.base_config()
+    m = c.model
+    m.d_model, m.num_heads, m.d_ff = s["d_model"], s["num_heads"], s["d_ff"]
+    m.num_encoder_layers = m.num_decoder_layers = s["layers"]
+    m.dropout = m.attention_dropout = m.relu_dropout = DROPOUT
+    m.positional, m.layer_norm = "sinusoidal", "post"
+    m.tie_output, m.share_embeddings = False, False
+    c.data.vocab, c.data.vocab_size = "separate", s["vocab"]
+    c.data.max_train_length = max(s["src_len"], s["tgt_len"])
+    c.train.batch_size, c.train.label_smoothing = s["rows"], LABEL_SMOOTHING
+    c.train.learning_rate, c.train.schedule, c.train.warmup_steps = LR, "constant", 1
+    config_lib.validate(c)
+    return c
+
+
+class XformerStep:
+    """train.py's compiled step on a fixed batch, built as TranslationTask builds it."""
+
+    def __init__(self, workdir: str):
+        config = xformer_config()
+        model_cfg = model_config.from_config(
+            config.model, src_vocab_size=SHAPE["vocab"], tgt_vocab_size=SHAPE["vocab"]
+        )
+        task = object.__new__(TranslationTask)  # the task without its tokenizers and data
+        task.config = config
+        task.exp = experiment_lib.setup(config, workdir, EncoderDecoder, model_cfg)
+        exp = task.exp
+        self.state = exp.init_state(task.init_carry())
+        self.rng_state = jax.device_put(exp.rng_state, exp.replicated)
+        self.batch = jax.device_put(make_batch(), exp.batch_sharding)
+        jit_step = jax.jit(functools.partial(train_lib.train_step, task), donate_argnums=0)
+        self.compiled = jit_step.lower(self.state, self.rng_state, self.batch).compile()
+        self.flops = float((self.compiled.cost_analysis() or {}).get("flops", 0.0))
+        self.metrics = None
+
+    def run(self, steps: int) -> float:
+        """Seconds for `steps` steps, up to the last step's results on the host."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.state, self.metrics = self.compiled(self.state, self.rng_state, self.batch)
+        loss = float(self.metrics["loss_sum"] / self.metrics["tokens"])
+        elapsed = time.perf_counter() - start
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"xformer loss is {loss}")
+        return elapsed
+
+
+class TorchStep:
+    """The same model and step in PyTorch (imported only here: it is an optional extra)."""
+
+    def __init__(self, threads: int):
+        import torch
+        from torch import nn
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        s = SHAPE
+        d, v = s["d_model"], s["vocab"]
+
+        class Seq2Seq(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.src_embed, self.tgt_embed = nn.Embedding(v, d), nn.Embedding(v, d)
+                length = max(s["src_len"], s["tgt_len"])
+                angles = torch.arange(length)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+                pe = torch.stack([angles.sin(), angles.cos()], -1).reshape(length, d)
+                self.register_buffer("pe", pe)  # even dims sin, odd cos: as xformer
+                self.dropout = nn.Dropout(DROPOUT)
+                self.transformer = nn.Transformer(
+                    d,
+                    s["num_heads"],
+                    s["layers"],
+                    s["layers"],
+                    s["d_ff"],
+                    DROPOUT,
+                    batch_first=True,
+                )
+                self.transformer.encoder.norm = self.transformer.decoder.norm = None
+                self.output = nn.Linear(d, v, bias=False)
+
+            def embed(self, table, tokens):
+                return self.dropout(table(tokens) * math.sqrt(d) + self.pe[: tokens.shape[1]])
+
+            def forward(self, src, tgt_in):
+                causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1])
+                x = self.transformer(
+                    self.embed(self.src_embed, src),
+                    self.embed(self.tgt_embed, tgt_in),
+                    tgt_mask=causal,
+                    tgt_is_causal=True,
+                )
+                return self.output(x)
+
+        self.torch = torch
+        self.model = Seq2Seq().train()
+        self.opt = torch.optim.Adam(self.model.parameters(), LR, betas=(0.9, 0.98), eps=1e-9)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=LABEL_SMOOTHING)
+        batch = make_batch()
+        self.src, self.tgt_in, self.tgt_out = (
+            torch.from_numpy(batch[k]).long() for k in ("src", "tgt_in", "tgt_out")
+        )
+        self.version = torch.__version__
+
+    def step(self):
+        self.opt.zero_grad(set_to_none=True)
+        logits = self.model(self.src, self.tgt_in)
+        loss = self.criterion(logits.reshape(-1, logits.shape[-1]), self.tgt_out.reshape(-1))
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def run(self, steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = self.step()
+        value = loss.item()
+        elapsed = time.perf_counter() - start
+        if not math.isfinite(value):
+            raise FloatingPointError(f"PyTorch loss is {value}")
+        return elapsed
+
+
+def _hlo_tables(hlo: str) -> tuple[dict, dict]:
+    """Per instruction of optimized HLO text: (opcode, called computation, op_name, frame id);
+    and per stack frame id: the innermost user source location "file:function:line"."""
+    tables: dict[str, dict[int, str]] = {}
+    section = None
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section, tables[line] = line, {}
+        elif section and re.match(r"^\d+ ", line):
+            key, value = line.split(" ", 1)
+            tables[section][int(key)] = value.strip('"')
+        else:
+            section = None
+    frames = {}
+    for fid, text in tables.get("StackFrames", {}).items():
+        loc = tables["FileLocations"][int(re.search(r"file_location_id=(\d+)", text)[1])]
+        file_id, func_id, lineno = (
+            int(re.search(rf"{k}=(\d+)", loc)[1])
+            for k in ("file_name_id", "function_name_id", "line")
+        )
+        name = os.path.basename(tables["FileNames"][file_id])
+        frames[fid] = f"{name}:{tables['FunctionNames'][func_id]}:{lineno}"
+    instructions, bodies, current = {}, collections.defaultdict(list), None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
+        if head:
+            current = head[1]
+            continue
+        m = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\(", line)
+        if not m or current is None:
+            continue
+        bodies[current].append(line)
+        called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", line)
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        instructions[m[1]] = {
+            "shape": m[2].split("{")[0],
+            "opcode": m[3],
+            "calls": called[1] if called else None,
+            "op_name": op_name[1].removeprefix("jit(train_step)/") if op_name else "",
+            "source": frames.get(int(frame[1]), "") if frame else "",
+        }
+    return instructions, bodies
+
+
+def _kind(info: dict, bodies: dict) -> str:
+    """matmul, transpose (a layout-changing copy, maybe fused), reduce or elementwise."""
+    body = "\n".join(bodies.get(info["calls"], [])) if info["calls"] else ""
+    ops = set(re.findall(r"= \S+ ([\w\-]+)\(", body)) | {info["opcode"]}
+    if ops & {"dot", "convolution"}:
+        return "matmul"
+    if ops & {"transpose"} or info["opcode"] == "copy":
+        return "transpose"
+    if ops & {"reduce", "reduce-window"}:
+        return "reduce"
+    return "elementwise"
+
+
+CATEGORIES = (  # (category, test on (kind, source, shapes in the op)), first match wins
+    ("matmul: output layer [*, V]", lambda k, s, sh: k == "matmul" and VOCAB_DIM.search(sh)),
+    ("matmul: attention (scores, values)", lambda k, s, _: k == "matmul" and "dot_product" in s),
+    ("matmul: projections, FFN", lambda k, s, _: k == "matmul"),
+    ("layout transposes / copies", lambda k, s, _: k == "transpose"),
+    ("loss: log-softmax over V", lambda k, s, _: s.startswith("losses.py")),
+    ("dropout masks", lambda k, s, _: s.startswith("dropout.py")),
+    ("attention softmax, masks", lambda k, s, _: s.startswith(("attention.py", "masks.py"))),
+    ("LayerNorm, residual", lambda k, s, _: "Residual" in s),
+    ("optimizer (Adam)", lambda k, s, _: s.startswith("train_lib.py")),
+    ("other", lambda k, s, _: True),
+)
+
+
+def profile_step(step: XformerStep, steps: int, top: int) -> dict:
+    """Trace `steps` steps with jax.profiler; XLA ops (thunks) ranked by their total time, with
+    kind and innermost source line from the optimized HLO, and summed by category. Shares are of
+    the summed op time (the CPU runtime may run independent ops concurrently)."""
+    step.run(1)
+    logdir = tempfile.mkdtemp(prefix="xformer_profile_")
+    with jax.profiler.trace(logdir):
+        start = time.perf_counter()
+        step.run(steps)
+        wall = (time.perf_counter() - start) / steps
+    (path,) = glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True)
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    seconds, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("args", {}).get("hlo_module", "").endswith("train_step"):
+            seconds[e["name"]] += e["dur"] / 1e6 / steps
+            calls[e["name"]] += 1 / steps
+    instructions, bodies = _hlo_tables(step.compiled.as_text())
+    total = sum(seconds.values())
+    by_category, rows = collections.Counter(), []
+    for name, s in seconds.most_common():
+        info = instructions.get(name, {"opcode": "?", "calls": None, "op_name": "", "source": ""})
+        info.setdefault("shape", "")
+        kind = _kind(info, bodies)
+        shapes = " ".join([info["shape"], *bodies.get(info["calls"], [])])
+        category = next(c for c, test in CATEGORIES if test(kind, info["source"], shapes))
+        by_category[category] += s
+        rows.append(
+            {
+                "op": name,
+                "kind": kind,
+                "category": category,
+                "shape": info["shape"],
+                "source": info["source"],
+                "op_name": info["op_name"],
+                "ms_per_step": 1e3 * s,
+                "share": s / total,
+                "calls_per_step": calls[name],
+            }
+        )
+    return {
+        "logdir": logdir,
+        "wall_ms_per_step": 1e3 * wall,
+        "op_ms_per_step": 1e3 * total,
+        "top_ops": rows[:top],
+        "categories": [
+            {"category": c, "ms_per_step": 1e3 * s, "share": s / total}
+            for c, s in by_category.most_common()
+        ],
+    }
+
+
+def print_profile(profile: dict) -> None:
+    print(
+        f"\nxformer profile: {profile['wall_ms_per_step']:.0f} ms/step wall, "
+        f"{profile['op_ms_per_step']:.0f} ms/step summed over XLA ops (trace: {profile['logdir']})"
+    )
+    print("| category | ms/step | share of op time |\n|---|---:|---:|")
+    for row in profile["categories"]:
+        print(f"| {row['category']} | {row['ms_per_step']:.0f} | {100 * row['share']:.1f}% |")
+    print("\n| op | kind | shape | source (innermost) | jax op | ms/step | share |")
+    print("|---|---|---|---|---|---:|---:|")
+    for r in profile["top_ops"]:
+        print(
+            f"| {r['op']} | {r['kind']} | {r['shape']} | {r['source']} | {r['op_name'][-48:]} | "
+            f"{r['ms_per_step']:.1f} | {100 * r['share']:.1f}% |"
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="steps of each per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--no_torch", action="store_true", help="xformer only")
+    parser.add_argument("--profile", action="store_true", help="rank xformer's XLA ops by time")
+    parser.add_argument("--profile_steps", type=int, default=5)
+    parser.add_argument("--profile_top", type=int, default=12)
+    parser.add_argument("--output", default="", help="also write the JSON here")
+    args = parser.parse_args()
+    command = "python " + " ".join(sys.argv)
+    tokens = SHAPE["rows"] * (SHAPE["src_len"] + SHAPE["tgt_len"])
+    analytic = analytic_train_flops(**SHAPE)
+
+    ceilings = []
+    with tempfile.TemporaryDirectory() as workdir:
+        xf = XformerStep(workdir)
+        tf = None if args.no_torch else TorchStep(args.threads)
+        for side in (xf, tf):
+            if side is not None:
+                side.run(args.warmup)
+        times = {"xformer": [], "pytorch": []}
+        for r in range(args.rounds):
+            times["xformer"].append(xf.run(args.steps) / args.steps)
+            if tf is not None:
+                times["pytorch"].append(tf.run(args.steps) / args.steps)
+            ceilings.append(matmul_gflops(repeats=3))
+            line = " | ".join(f"{k} {tokens / v[-1]:,.0f} tok/s" for k, v in times.items() if v)
+            print(f"round {r + 1}/{args.rounds}: {line} | ceiling {ceilings[-1]:.1f}", flush=True)
+        profile = profile_step(xf, args.profile_steps, args.profile_top) if args.profile else {}
+
+    ceiling = statistics.median(ceilings or [matmul_gflops()])
+    result = {
+        "command": command,
+        "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
+        f"({len(os.sched_getaffinity(0))} usable), jax {jax.__version__} {jax.devices()[0]}",
+        "pytorch": None if tf is None else tf.version,
+        "torch_threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "load_average_1_5_15min": os.getloadavg(),  # other processes sharing the cores
+        "tokens_per_step": tokens,
+        "xla_gflop_per_step": xf.flops / 1e9,
+        "analytic_gflop_per_step": analytic / 1e9,
+        "matmul_ceiling_gflops": ceilings,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "step_seconds": times,
+        "sides": {},
+    }
+    for name, ts in times.items():
+        if not ts:
+            continue
+        t = statistics.median(ts)
+        result["sides"][name] = {
+            "tokens_per_s": tokens / t,
+            "step_ms": 1e3 * t,
+            "analytic_gflops": analytic / t / 1e9,
+            "xla_gflops": xf.flops / t / 1e9 if name == "xformer" else None,
+            "ceiling_fraction": analytic / t / 1e9 / ceiling,
+        }
+    if times["pytorch"]:
+        result["ratio_of_medians"] = statistics.median(times["pytorch"]) / statistics.median(
+            times["xformer"]
+        )
+        result["median_round_ratio"] = statistics.median(
+            p / x for x, p in zip(times["xformer"], times["pytorch"], strict=True)
+        )
+    result["profile"] = profile
+
+    print(
+        f"\n{command}\n{result['device']}; PyTorch {result['pytorch']}, {args.threads} threads, "
+        f"OMP_WAIT_POLICY={result['omp_wait_policy'] or '(default)'}"
+    )
+    print("load average (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
+    print(
+        f"{tokens} tokens/step; XLA cost analysis {xf.flops / 1e9:.1f} GFLOP/step, "
+        f"analytic {analytic / 1e9:.1f} GFLOP/step; matmul ceiling "
+        + " / ".join(f"{c:.0f}" for c in ceilings)
+        + " GFLOP/s (one per round)"
+    )
+    print(
+        "\n| | tokens/s | step ms | GFLOP/s (analytic) | GFLOP/s (XLA) | "
+        f"analytic / ceiling {ceiling:.0f} |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, s in result["sides"].items():
+        xla = f"{s['xla_gflops']:.1f}" if s["xla_gflops"] else "-"
+        print(
+            f"| {name} | {s['tokens_per_s']:,.0f} | {s['step_ms']:.0f} | "
+            f"{s['analytic_gflops']:.1f} | {xla} | {s['ceiling_fraction']:.2f} |"
+        )
+    if times["pytorch"]:
+        print(
+            f"\nxformer / PyTorch tokens/s: {result['ratio_of_medians']:.2f}x (medians), "
+            f"{result['median_round_ratio']:.2f}x (median of per-round ratios)"
+        )
+    if profile:
+        print_profile(profile)
+    print("\n" + json.dumps(result))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
