@@ -214,3 +214,31 @@ def test_log_probs_are_normalised_and_match_nll():
     nll, _ = jitted(model)(tokens, targets)
     gathered = -jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(nll, gathered, atol=1e-5)
+
+
+def test_adaptive_capacity_reaches_the_loss_and_changes_no_value():
+    """model.adaptive_capacity goes to the adaptive softmax; the capacity-limited loss and its
+    gradients equal the dense ones (same parameters), whether the tails fit or overflow."""
+    dense_cfg = dataclasses.replace(TINY, adaptive_cutoffs=(12, 24), div_val=2)
+    dense = LanguageModel(dense_cfg, rngs=nnx.Rngs(20))
+    rng = np.random.default_rng()
+    tokens = _tokens(int(rng.integers(1 << 30)), (3, 8))
+    targets = _tokens(int(rng.integers(1 << 30)), (3, 8))
+
+    def loss_and_grads(model):
+        def loss(model):
+            return model(tokens, targets)[0].sum()
+
+        return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
+
+    expected, expected_grads = loss_and_grads(dense)
+    for capacity in (0.5, 0.05):  # 0.05: one slot per tail, so the tails overflow
+        sparse = LanguageModel(
+            dataclasses.replace(dense_cfg, adaptive_capacity=capacity), rngs=nnx.Rngs(0)
+        )
+        assert sparse.softmax.capacity == capacity
+        nnx.update(sparse, nnx.state(dense, nnx.Param))
+        got, grads = loss_and_grads(sparse)
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+        for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
