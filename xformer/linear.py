@@ -7,13 +7,20 @@ backward contracts over both of them, and XLA inserts layout copies around it. T
 took 544 ms vs 1,102 ms. The parameters are nnx.Linear's, so checkpoints are unchanged.
 """
 
+from collections.abc import Callable
+
 import jax
 from flax import nnx
+
+
+def over_rows(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """layer applied to x [..., d] as [N, d] -> [..., d_out]: its matmul is 2-D."""
+    flat = layer(x.reshape(-1, x.shape[-1]))
+    return flat.reshape(*x.shape[:-1], flat.shape[-1])
 
 
 class Linear(nnx.Linear):
     """x [..., in_features] -> [..., out_features], computed as one [N, in] x [in, out] matmul."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        flat = super().__call__(x.reshape(-1, x.shape[-1]))
-        return flat.reshape(*x.shape[:-1], flat.shape[-1])
+        return over_rows(super().__call__, x)

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xformer import precision
+
 
 def cross_entropy(
     logits: jax.Array, targets: jax.Array, weights: jax.Array, label_smoothing: float = 0.0
@@ -18,12 +20,11 @@ def cross_entropy(
     every other token; the loss subtracts that target's entropy, so its minimum is 0.
 
     With z = logits - max and lse = log sum exp z, per token: nll = lse - z_t and the smoothed
-    loss = lse - (conf - low) z_t - low sum(z) - entropy: three reductions over the logits and no
-    [..., V] intermediate; a custom VJP computes the gradient (softmax - smoothed target) * weight
-    in one elementwise pass.
+    loss = lse - (conf - low) z_t - low sum(z) - entropy. The forward is three reductions over
+    the logits and keeps no [..., V] intermediate; a custom VJP computes the gradient
+    (softmax - smoothed target) * weight in one elementwise pass.
     """
-    dtype = jnp.promote_types(logits.dtype, jnp.float32)
-    weights = jnp.asarray(weights).astype(dtype)
+    weights = jnp.asarray(weights).astype(precision.at_least_float32(logits.dtype))
     return _cross_entropy(logits, targets, weights, float(label_smoothing))
 
 

@@ -12,7 +12,7 @@ from xformer.attention import decode_layout
 from xformer.blocks import DecoderBlock, SelfAttentionBlock, layer_norm
 from xformer.dropout import Dropout
 from xformer.layout import Layout
-from xformer.linear import Linear
+from xformer.linear import Linear, over_rows
 from xformer.model_config import TransformerConfig
 from xformer.positional import SCHEMES
 from xformer.positional.base import BoundScheme
@@ -71,9 +71,7 @@ class EncoderDecoder(nnx.Module):
         """Final states [B, L, d] -> logits [B, L, V] in at least float32 (for the softmax)."""
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        flat = x.reshape(-1, x.shape[-1])  # a 2-D matmul: see xformer/linear.py
-        logits = self.tgt_embed.attend(flat) if self.output is None else self.output(flat)
-        logits = logits.reshape(*x.shape[:-1], logits.shape[-1])
+        logits = self.output(x) if self.output is not None else over_rows(self.tgt_embed.attend, x)
         return logits.astype(precision.at_least_float32(logits.dtype))
 
     def encode(
