@@ -21,11 +21,13 @@ def cross_entropy(
 
     With z = logits - max and lse = log sum exp z, per token: nll = lse - z_t and the smoothed
     loss = lse - (conf - low) z_t - low sum(z) - entropy. The forward is three reductions over
-    the logits and keeps no [..., V] intermediate; a custom VJP computes the gradient
-    (softmax - smoothed target) * weight in one elementwise pass.
+    the logits; it keeps exp(z) [..., V] (in place of the logits) so that the custom VJP
+    writes the gradient (softmax - smoothed target) * weight in one elementwise pass without
+    a second exp over the vocabulary.
     """
-    weights = jnp.asarray(weights).astype(precision.at_least_float32(logits.dtype))
-    return _cross_entropy(logits, targets, weights, float(label_smoothing))
+    dtype = precision.at_least_float32(logits.dtype)
+    weights = jnp.asarray(weights).astype(dtype)
+    return _cross_entropy(logits.astype(dtype), targets, weights, float(label_smoothing))
 
 
 def _smoothing(vocab: int, label_smoothing: float) -> tuple[float, float, float]:
@@ -41,11 +43,12 @@ def _cross_entropy(logits, targets, weights, label_smoothing):
     return _forward(logits, targets, weights, label_smoothing)[0]
 
 
-def _forward(logits, targets, weights, label_smoothing):
-    conf, low, entropy = _smoothing(logits.shape[-1], label_smoothing)
-    x = logits.astype(weights.dtype)
+def _forward(x, targets, weights, label_smoothing):
+    conf, low, entropy = _smoothing(x.shape[-1], label_smoothing)
     top = x.max(-1)
-    lse = jnp.log(jnp.exp(x - top[..., None]).sum(-1))  # each [..., V] pass fuses into a reduce
+    exp_z = jnp.exp(x - top[..., None])
+    total = exp_z.sum(-1)
+    lse = jnp.log(total)
     z_target = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - top
     nll = lse - z_target
     if low:
@@ -54,25 +57,24 @@ def _forward(logits, targets, weights, label_smoothing):
     else:
         loss = nll
     sums = ((loss * weights).sum(), (nll * weights).sum())
-    return sums, (logits, targets, weights, lse + top, loss, nll)
+    return sums, (exp_z, total, targets, weights, loss, nll)
 
 
 def _backward(label_smoothing, residuals, cotangents):
-    logits, targets, weights, lse, loss, nll = residuals
+    exp_z, total, targets, weights, loss, nll = residuals
     d_loss, d_nll = cotangents
-    conf, low, _ = _smoothing(logits.shape[-1], label_smoothing)
+    conf, low, _ = _smoothing(exp_z.shape[-1], label_smoothing)
     g_loss, g_nll = d_loss * weights, d_nll * weights
     # d/dx of sum_j -q_j log p_j is p - q, with q = low + (conf - low) [j = target].
-    p = jnp.exp(logits.astype(lse.dtype) - lse[..., None])
-    is_target = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+    is_target = jax.lax.broadcasted_iota(targets.dtype, exp_z.shape, exp_z.ndim - 1)
     is_target = is_target == targets[..., None]
     on_target = (g_loss * (conf - low) + g_nll)[..., None]
     d_logits = (
-        (g_loss + g_nll)[..., None] * p
+        ((g_loss + g_nll) / total)[..., None] * exp_z  # (g_loss + g_nll) * softmax
         - (g_loss * low)[..., None]
         - jnp.where(is_target, on_target, 0.0)
     )
-    return d_logits.astype(logits.dtype), None, d_loss * loss + d_nll * nll
+    return d_logits, None, d_loss * loss + d_nll * nll
 
 
 _cross_entropy.defvjp(_forward, _backward)
