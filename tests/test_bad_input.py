@@ -72,6 +72,12 @@ def test_d_model_not_divisible_by_heads(tmp_path):
         ("data.vocab", "separate", "share_embeddings=True needs data.vocab='joint'"),
         ("model.d_model", "big", "must be int"),
         ("model.num_heads", 0, "model.num_heads must be positive, got 0"),
+        ("train.grad_accum_steps", 0, r"train.grad_accum_steps=0 must be an integer >= 1"),
+        (
+            "train.grad_accum_steps",
+            3,
+            r"train.grad_accum_steps=3 must be an integer >= 1 that divides train.batch_size=64",
+        ),
     ],
 )
 def test_invalid_values_and_combinations(key, value, message):
@@ -81,6 +87,33 @@ def test_invalid_values_and_combinations(key, value, message):
         config[section][name] = value
     with pytest.raises(ValueError, match=message):
         config_lib.validate(config)
+
+
+def test_micro_batch_not_dividing_over_the_devices(tmp_path):
+    """8 rows in 4 micro-batches of 2 cannot split over 4 devices: train.py says so, naming the
+    keys, before it prepares data or builds a vocabulary."""
+    config = config_lib.base_config()
+    config.train.batch_size, config.train.grad_accum_steps, config.eval.batch_size = 8, 4, 8
+    config_lib.validate(config)  # the config alone is fine
+    message = r"train.batch_size / train.grad_accum_steps = 8 / 4 = 2 rows .* by the 4 devices"
+    with pytest.raises(ValueError, match=message):
+        config_lib.check_devices(config, 4)
+    config_lib.check_devices(config, 2)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+    result = run(
+        [
+            "train.py",
+            "--config=configs/multi30k_ende.py",
+            f"--workdir={tmp_path}",
+            "--config.train.batch_size=8",
+            "--config.train.grad_accum_steps=4",
+            "--config.eval.batch_size=8",
+        ],
+        env_extra={"XLA_FLAGS": flags},
+    )
+    assert result.returncode != 0
+    assert "train.batch_size / train.grad_accum_steps = 8 / 4 = 2 rows" in result.stderr
+    assert not (tmp_path / "vocab").exists() and not (tmp_path / "config.json").exists()
 
 
 def test_missing_data_says_where_to_put_it(tmp_path):

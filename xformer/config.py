@@ -53,6 +53,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict()
     c.train.seed = 0
     c.train.batch_size = 64  # packed rows per step (global, divided over devices)
+    # Micro-batches per step: the rows are split into this many parts, run one after another,
+    # and their gradients added up before the one update (the same step with less memory)
+    c.train.grad_accum_steps = 1
     c.train.num_steps = 100_000
     c.train.max_train_seconds = 0.0  # stop (and checkpoint) after this much time (0 = off)
     c.train.learning_rate = 7e-4  # peak rate; the paper's d_model**-0.5 * warmup**-0.5
@@ -186,6 +189,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for key in ("batch_size", "num_steps", "log_every", "eval_every", "checkpoint_every"):
         if t[key] <= 0:
             raise ValueError(f"train.{key} must be positive, got {t[key]}")
+    k = t.grad_accum_steps
+    if not isinstance(k, int) or k < 1 or t.batch_size % k:
+        raise ValueError(
+            f"train.grad_accum_steps={k!r} must be an integer >= 1 that divides "
+            f"train.batch_size={t.batch_size} (a micro-batch has batch_size / grad_accum_steps "
+            "rows)"
+        )
     profile = profile_range(t.profile_steps)
     if profile and profile[1] > t.num_steps:
         raise ValueError(
@@ -196,6 +206,25 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     if config.eval.beam_size < 1:
         raise ValueError(f"eval.beam_size must be >= 1, got {config.eval.beam_size}")
+
+
+def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> None:
+    """Raise ValueError naming the keys when the batches do not divide over the data-parallel
+    devices: train.batch_size, each micro-batch of it (train.grad_accum_steps), eval.batch_size.
+    """
+    t = config.train
+    for key, rows in (
+        ("train.batch_size", t.batch_size),
+        ("eval.batch_size", config.eval.batch_size),
+    ):
+        if rows % num_devices:
+            raise ValueError(f"{key}={rows} must be divisible by the {num_devices} devices")
+    if (t.batch_size // t.grad_accum_steps) % num_devices:
+        raise ValueError(
+            f"a micro-batch of train.batch_size / train.grad_accum_steps = {t.batch_size} / "
+            f"{t.grad_accum_steps} = {t.batch_size // t.grad_accum_steps} rows must be divisible "
+            f"by the {num_devices} devices (lower train.grad_accum_steps or raise the batch size)"
+        )
 
 
 def profile_range(value: str) -> tuple[int, int] | None:

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from xformer import config as config_lib
 from xformer.checkpoint import Checkpointer
 from xformer.optim import make_optimizer
 
@@ -102,13 +103,7 @@ def setup(
 ) -> Experiment:
     """Mesh, model graphs, optimizer and checkpointer for a validated config."""
     mesh = make_mesh()
-    for key in ("train.batch_size", "eval.batch_size"):
-        section, name = key.split(".")
-        if config[section][name] % jax.device_count():
-            raise ValueError(
-                f"{key}={config[section][name]} must be divisible by the {jax.device_count()} "
-                "devices"
-            )
+    config_lib.check_devices(config, jax.device_count())
     os.makedirs(workdir, exist_ok=True)
     model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=model_rngs(0)))
     train_graphdef, _, _ = nnx.split(model, nnx.Param, ...)

@@ -1,19 +1,23 @@
 """Model families as tasks: what data, model, loss and evaluation the generic train loop runs.
 
 A task exposes `exp` (the shared Experiment), `train_batches()` (a host-local batch iterator
-with get_state/set_state), `init_carry()` (state carried from step to step, e.g. an XL memory),
+with get_state/set_state), `init_carry()` (state carried from step to step, e.g. an XL memory:
+a flat dict of arrays whose batch-row axes `carry_batch_axes` names, {name: axis}),
 `loss_terms(model, batch, carry) -> (loss_sum, sums, carry)` where sums holds "nll_sum",
 "tokens" (scored) and "input_tokens", and `evaluate(params, rng_state) -> (metrics, summary line)`.
 """
 
+import jax
 import ml_collections
 
 from xformer import config as config_lib
 
 
 def make_task(config: ml_collections.ConfigDict, workdir: str, *, train_if_missing: bool = True):
-    """Validate the config and build the task of its model family."""
+    """Validate the config (and its batch sizes against the devices), then build the task of
+    its model family."""
     config_lib.validate(config)
+    config_lib.check_devices(config, jax.device_count())
     if config.model.family == "decoder_only":
         from xformer.tasks.language_modeling import LanguageModelingTask
 
