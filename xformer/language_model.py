@@ -23,6 +23,7 @@ from xformer.positional import SCHEMES
 from xformer.positional.base import BoundScheme
 
 Memory = dict  # {"states": [num_layers, B, M, d], "filled": [B] int32 valid trailing slots}
+MEMORY_BATCH_AXES = {"states": 1, "filled": 0}  # each memory entry's batch (row) axis
 
 
 class LanguageModel(nnx.Module):

@@ -17,6 +17,7 @@ from xformer import config as config_lib
 from xformer import experiment as experiment_lib
 from xformer.files import write_json
 from xformer.optim import learning_rate_schedule
+from xformer.precision import at_least_float32
 from xformer.tasks import make_task
 from xformer.timing import TrainClock, format_duration
 
@@ -26,19 +27,60 @@ PROFILE_DIR = "profile"  # train.profile_steps: jax.profiler traces under <workd
 
 
 def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[dict, dict]:
-    """One optimizer step. Dropout keys derive from (seed, step); the task's carry (e.g. the
-    Transformer-XL memory) flows from the previous step to the next through the state."""
+    """One optimizer step on the global batch (every entry [B, ...], rows first).
+
+    The loss is the summed loss over the batch divided by its scored token count. With
+    train.grad_accum_steps = k > 1 the rows are split into k micro-batches of B / k rows
+    (`split_rows`) that run one after another in a lax.scan; their summed-loss gradients and
+    metric sums are added up, then divided by the token count of the whole batch before the one
+    optimizer update: the same step as k = 1 with less activation memory.
+
+    Dropout keys derive from (seed, step), and with k > 1 also from the micro-batch index, so
+    the accumulated step's dropout masks differ from the k = 1 step's. The task's carry (e.g. the
+    Transformer-XL memory, split by `task.carry_batch_axes`) flows from the previous step to the
+    next through the state; each micro-batch uses and updates the carry of its own rows.
+    """
     exp = task.exp
+    k = exp.config.train.grad_accum_steps
     key = jax.random.fold_in(jax.random.key(exp.config.train.seed), state["step"])
-    model = nnx.merge(exp.train_graphdef, state["params"], rng_state)
-    nnx.reseed(model, dropout=key)
 
-    def loss_fn(model):
-        loss_sum, sums, carry = task.loss_terms(model, batch, state["carry"])
-        return loss_sum / jnp.maximum(sums["tokens"], 1.0), (loss_sum, sums, carry)
+    def grads_and_sums(rows: dict, carry: dict, key: jax.Array) -> tuple:
+        """Gradients of the summed loss of `rows`, (its sums, their new carry)."""
 
-    # nnx.grad differentiates with respect to the nnx.Param variables only.
-    grads, (loss_sum, sums, carry) = nnx.grad(loss_fn, has_aux=True)(model)
+        def loss_fn(params):
+            # copy: new RNG variables at this trace level (reseed updates them; under grad or
+            # scan, the caller's would belong to an outer trace)
+            model = nnx.merge(exp.train_graphdef, params, rng_state, copy=True)
+            nnx.reseed(model, dropout=key)
+            loss_sum, sums, carry_out = task.loss_terms(model, rows, carry)
+            return loss_sum, ({"loss_sum": loss_sum, **sums}, carry_out)
+
+        return jax.grad(loss_fn, has_aux=True)(state["params"])
+
+    if k == 1:
+        grads, (sums, carry) = grads_and_sums(batch, state["carry"], key)
+    else:
+        axes = task.carry_batch_axes
+        micro = (
+            jnp.arange(k),
+            jax.tree.map(lambda x: split_rows(x, 0, k), batch),
+            {name: split_rows(x, axes[name], k) for name, x in state["carry"].items()},
+        )
+
+        def accumulate(total, xs):
+            i, rows, carry = xs
+            grads, (sums, carry) = grads_and_sums(rows, carry, jax.random.fold_in(key, i))
+            return jax.tree.map(jnp.add, total, (grads, sums)), carry
+
+        _, rows, carry = jax.tree.map(lambda x: x[0], micro)
+        grad_shapes, (sum_shapes, _) = jax.eval_shape(grads_and_sums, rows, carry, key)
+        zeros = jax.tree.map(  # bfloat16 gradients add up in float32
+            lambda s: jnp.zeros(s.shape, at_least_float32(s.dtype)), (grad_shapes, sum_shapes)
+        )
+        (grads, sums), carry = jax.lax.scan(accumulate, zeros, micro)
+        carry = {name: join_rows(x, axes[name]) for name, x in carry.items()}
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    grads = jax.tree.map(lambda g, p: (g / tokens).astype(p.dtype), grads, state["params"])
     updates, opt_state = exp.tx.update(grads, state["opt_state"], state["params"])
     new_state = {
         "step": state["step"] + 1,
@@ -46,8 +88,21 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
         "opt_state": opt_state,
         "carry": carry,
     }
-    metrics = {"loss_sum": loss_sum, **sums, "grad_norm": optax.tree_utils.tree_norm(grads)}
-    return new_state, metrics
+    return new_state, {**sums, "grad_norm": optax.tree_utils.tree_norm(grads)}
+
+
+def split_rows(x: jax.Array, axis: int, k: int) -> jax.Array:
+    """[..., B, ...] (rows on `axis`) -> [k, ..., B / k, ...]: micro-batch i holds rows i, i + k,
+    i + 2k, ... A device's contiguous shard of the rows (B / devices of them, a multiple of k)
+    thereby splits into its own part of every micro-batch: no rows move between devices."""
+    x = x.reshape(*x.shape[:axis], x.shape[axis] // k, k, *x.shape[axis + 1 :])
+    return jnp.moveaxis(x, axis + 1, 0)
+
+
+def join_rows(x: jax.Array, axis: int) -> jax.Array:
+    """The inverse of `split_rows`: [k, ..., B / k, ...] -> [..., B, ...]."""
+    x = jnp.moveaxis(x, 0, axis + 1)
+    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
 
 
 class StepProfiler:
@@ -166,7 +221,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     jit_step = jax.jit(functools.partial(train_step, task), donate_argnums=0)
     first = global_batch(next(data_iter))
     compiled = jit_step.lower(state, rng_state, first).compile()
-    flops = (compiled.cost_analysis() or {}).get("flops", 0.0)
+    # XLA counts a loop body once; the scan over micro-batches runs grad_accum_steps times (the
+    # product counts the optimizer update that often too, a negligible part of a step).
+    flops = (compiled.cost_analysis() or {}).get("flops", 0.0) * t.grad_accum_steps
     logging.info("train step: %.2f GFLOP per step (XLA cost analysis)", flops / 1e9)
     lr_fn = learning_rate_schedule(t)
 

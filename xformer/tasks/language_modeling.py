@@ -27,7 +27,7 @@ from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
 from xformer.data.readers import read_corpus
 from xformer.data.registry import LM_CORPORA
 from xformer.data.vocab import ByteVocab, CharVocab, WordVocab, build_vocab
-from xformer.language_model import LanguageModel, reset_memory
+from xformer.language_model import MEMORY_BATCH_AXES, LanguageModel, reset_memory
 from xformer.masks import MASK_SCHEMES
 
 
@@ -67,7 +67,23 @@ def _memory_sharding(mesh) -> dict:
     }
 
 
+def loss_terms(model, batch: dict, carry: dict) -> tuple[jax.Array, dict, dict]:
+    """(summed NLL, sums, new memory) of a batch ("inputs", "targets", "weights" [B, L], "reset"
+    [B]) whose rows continue from the memory `carry` ({} = none)."""
+    memory = reset_memory(carry or None, batch["reset"])
+    nll, memory = model(batch["inputs"], batch["targets"], memory)
+    # Leave out the leading targets the masking scheme lets the queries see (prefix_lm).
+    unscored = MASK_SCHEMES[model.cfg.decoder_mask].unscored_targets(model.cfg)
+    positions = np.arange(batch["weights"].shape[1])
+    weights = jnp.where(positions < unscored, 0, batch["weights"])
+    nll_sum, tokens = (nll * weights).sum(), weights.sum()
+    sums = {"nll_sum": nll_sum, "tokens": tokens, "input_tokens": batch["weights"].sum()}
+    return nll_sum, sums, memory or {}
+
+
 class LanguageModelingTask:
+    carry_batch_axes = MEMORY_BATCH_AXES  # the carry is the XL memory
+
     def __init__(
         self, config: ml_collections.ConfigDict, workdir: str, *, train_if_missing: bool = True
     ):
@@ -142,15 +158,7 @@ class LanguageModelingTask:
         return jax.jit(init, out_shardings=_memory_sharding(self.exp.mesh))()
 
     def loss_terms(self, model, batch: dict, carry: dict) -> tuple[jax.Array, dict, dict]:
-        memory = reset_memory(carry or None, batch["reset"])
-        nll, memory = model(batch["inputs"], batch["targets"], memory)
-        # Leave out the leading targets the masking scheme lets the queries see (prefix_lm).
-        unscored = MASK_SCHEMES[model.cfg.decoder_mask].unscored_targets(model.cfg)
-        positions = np.arange(batch["weights"].shape[1])
-        weights = jnp.where(positions < unscored, 0, batch["weights"])
-        nll_sum, tokens = (nll * weights).sum(), weights.sum()
-        sums = {"nll_sum": nll_sum, "tokens": tokens, "input_tokens": batch["weights"].sum()}
-        return nll_sum, sums, memory or {}
+        return loss_terms(model, batch, carry)
 
     # Evaluation -------------------------------------------------------------------------------
 

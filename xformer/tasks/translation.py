@@ -63,6 +63,8 @@ def padded_batches(pairs: EncodedPairs, batch_size: int) -> list[dict[str, np.nd
 
 
 class TranslationTask:
+    carry_batch_axes: dict = {}  # no carry
+
     def __init__(
         self, config: ml_collections.ConfigDict, workdir: str, *, train_if_missing: bool = True
     ):
