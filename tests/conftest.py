@@ -1,12 +1,48 @@
-"""Shared fixtures: tiny models, real Multi30k data, and a prepared TFDS directory."""
+"""Shared fixtures: tiny models, real Multi30k data, and a prepared TFDS directory.
+
+Before any test imports jax, pytest_configure sets two things for this process and every
+subprocess it starts (train.py, eval.py, xdist workers), through the environment:
+
+* one persistent JAX compilation cache for the whole session (a fresh temp dir, removed at
+  the end), so a resumed run, a reference run and eval.py reuse the programs an earlier
+  process compiled instead of compiling them again;
+* XLA's LLVM backend at optimization level 0: compilation dominates the suite's time and
+  the tiny test programs run just as well unoptimized. HLO-level optimizations still run.
+"""
 
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
+
+FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0"
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_owned_cache_dir: str | None = None
+
+
+def pytest_configure(config):
+    global _owned_cache_dir
+    if "jax" in sys.modules:  # too late for the environment to take effect in this process
+        raise RuntimeError("tests/conftest.py must configure JAX before jax is imported")
+    if not os.environ.get(_CACHE_ENV):  # xdist workers inherit the controller's
+        _owned_cache_dir = tempfile.mkdtemp(prefix="xformer-jax-cache-")
+        os.environ[_CACHE_ENV] = _owned_cache_dir
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_XLA_FLAG}".strip()
+
+
+def pytest_unconfigure(config):
+    if _owned_cache_dir is not None:
+        shutil.rmtree(_owned_cache_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,10 @@ from xformer.tasks.language_modeling import EvalSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
+# 4 simulated CPU devices, on top of the session's XLA flags (set in tests/conftest.py).
+FOUR_DEVICES = {
+    "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+}
 TINY = {
     "model.d_model": 32,
     "model.num_heads": 2,
@@ -225,7 +229,7 @@ def test_four_simulated_devices_match_one_with_memory(tmp_path, tfds_dir, ptb):
     assert one.returncode == 0, one.stderr[-3000:]
     four = run(
         train_cmd(tmp_path / "four", tfds_dir, *args),
-        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+        env_extra=FOUR_DEVICES,
     )
     assert four.returncode == 0, four.stderr[-3000:]
     assert "CpuDevice(id=3)" in four.stderr

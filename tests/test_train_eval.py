@@ -19,6 +19,10 @@ from xformer.checkpoint import Checkpointer
 from xformer.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
+# 4 simulated CPU devices, on top of the session's XLA flags (set in tests/conftest.py).
+FOUR_DEVICES = {
+    "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+}
 TINY = [
     "--config.model.d_model=32",
     "--config.model.num_heads=4",
@@ -167,7 +171,7 @@ def test_four_simulated_devices_match_one(tmp_path, tfds_dir, multi30k_dir):
     assert one.returncode == 0, one.stderr[-3000:]
     four = run(
         train_cmd(tmp_path / "four", tfds_dir, *args),
-        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+        env_extra=FOUR_DEVICES,
     )
     assert four.returncode == 0, four.stderr[-3000:]
     assert "CpuDevice(id=3)" in four.stderr
@@ -175,7 +179,7 @@ def test_four_simulated_devices_match_one(tmp_path, tfds_dir, multi30k_dir):
     np.testing.assert_allclose([l4[s] for s in (1, 2, 3)], [l1[s] for s in (1, 2, 3)], rtol=1e-4)
     result = run(
         ["eval.py", f"--workdir={tmp_path / 'four'}", "--split=test_2017_mscoco", "--beam_size=2"],
-        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+        env_extra=FOUR_DEVICES,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout)["sentences"] == 461
