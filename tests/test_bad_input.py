@@ -95,7 +95,7 @@ def test_micro_batch_not_dividing_over_the_devices(tmp_path):
     config = config_lib.base_config()
     config.train.batch_size, config.train.grad_accum_steps, config.eval.batch_size = 8, 4, 8
     config_lib.validate(config)  # the config alone is fine
-    message = r"train.batch_size / train.grad_accum_steps = 8 / 4 = 2 rows .* by the 4 devices"
+    message = r"train.batch_size / train.grad_accum_steps = 8 / 4 = 2 rows .* the 4 row shards"
     with pytest.raises(ValueError, match=message):
         config_lib.check_devices(config, 4)
     config_lib.check_devices(config, 2)

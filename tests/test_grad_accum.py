@@ -19,11 +19,10 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from xformer import config as config_lib
 from xformer import experiment as experiment_lib
-from xformer import model_config
+from xformer import model_config, sharding
 from xformer.language_model import LanguageModel
 from xformer.models import EncoderDecoder
 from xformer.tasks import language_modeling, translation
@@ -64,7 +63,7 @@ class TinyTask:
     carry: Callable[[np.random.Generator], dict]  # a random initial carry
 
 
-def tiny_task(family: str, workdir: str, **overrides) -> TinyTask:
+def tiny_task(family: str, workdir: str, vocab: int = VOCAB, **overrides) -> TinyTask:
     if family == "translation":
         config = config_lib.base_config()
         overrides = {"model.num_encoder_layers": 1, "model.num_decoder_layers": 1, **overrides}
@@ -74,21 +73,22 @@ def tiny_task(family: str, workdir: str, **overrides) -> TinyTask:
     config_lib.override(config, {**TINY, **overrides})
     config_lib.validate(config)
     if family == "translation":
-        cfg = model_config.from_config(config.model, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB)
+        cfg = model_config.from_config(config.model, src_vocab_size=vocab, tgt_vocab_size=vocab)
         exp = experiment_lib.setup(config, workdir, EncoderDecoder, cfg)
 
         def loss_terms(model, batch: dict, carry: dict) -> tuple:
             return *translation.loss_terms(model, batch, config.train.label_smoothing), carry
 
         axes = TranslationTask.carry_batch_axes
-        return TinyTask(exp, loss_terms, axes, translation_batch, no_carry)
-    cfg = model_config.from_config(config.model, vocab_size=VOCAB)
+        batches = functools.partial(translation_batch, vocab=vocab)
+        return TinyTask(exp, loss_terms, axes, batches, no_carry)
+    cfg = model_config.from_config(config.model, vocab_size=vocab)
     exp = experiment_lib.setup(config, workdir, LanguageModel, cfg)
     return TinyTask(
         exp,
         language_modeling.loss_terms,
         LanguageModelingTask.carry_batch_axes,
-        lm_batch,
+        functools.partial(lm_batch, vocab=vocab),
         functools.partial(random_memory, cfg),
     )
 
@@ -110,12 +110,12 @@ def packed_segments(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     return segments.astype(np.int32), positions.astype(np.int32)
 
 
-def translation_batch(rng: np.random.Generator) -> dict:
+def translation_batch(rng: np.random.Generator, vocab: int = VOCAB) -> dict:
     src_segments, src_positions = packed_segments(rng)
     tgt_segments, tgt_positions = packed_segments(rng)
 
     def tokens(segments):
-        return np.where(segments > 0, rng.integers(1, VOCAB, segments.shape), 0).astype(np.int32)
+        return np.where(segments > 0, rng.integers(1, vocab, segments.shape), 0).astype(np.int32)
 
     return {
         "src": tokens(src_segments),
@@ -128,10 +128,10 @@ def translation_batch(rng: np.random.Generator) -> dict:
     }
 
 
-def lm_batch(rng: np.random.Generator) -> dict:
+def lm_batch(rng: np.random.Generator, vocab: int = VOCAB) -> dict:
     return {
-        "inputs": rng.integers(0, VOCAB, (ROWS, LENGTH)).astype(np.int32),
-        "targets": rng.integers(0, VOCAB, (ROWS, LENGTH)).astype(np.int32),
+        "inputs": rng.integers(0, vocab, (ROWS, LENGTH)).astype(np.int32),
+        "targets": rng.integers(0, vocab, (ROWS, LENGTH)).astype(np.int32),
         "weights": (rng.random((ROWS, LENGTH)) < 0.8).astype(np.float64),  # uneven token counts
         "reset": rng.random(ROWS) < 0.25,  # some rows' streams restart
     }
@@ -155,7 +155,7 @@ def run_steps(task: TinyTask, seed: int) -> list[tuple[dict, dict]]:
     rng, mesh = np.random.default_rng(seed), task.exp.mesh
     carry = {  # sharded with its rows over the data axis, as in the train loop
         name: jax.device_put(
-            x, NamedSharding(mesh, P(*[None] * task.carry_batch_axes[name], "data"))
+            x, NamedSharding(mesh, sharding.batch_spec(mesh, task.carry_batch_axes[name]))
         )
         for name, x in task.carry(rng).items()
     }

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xformer import precision
+from xformer.sharding import logical
 
 INIT = nnx.initializers.normal(0.02)
 
@@ -56,12 +57,17 @@ class ClusterLayout:
         return [(e - s, self.dims[g]) for g, (s, e) in enumerate(self.table_ranges)]
 
 
-def _param(rngs: nnx.Rngs, *shape: int, dtype, init=INIT) -> nnx.Param:
-    return nnx.Param(init(rngs.params(), shape, dtype))
+def _param(rngs: nnx.Rngs, *shape: int, dtype, axes: tuple, init=INIT) -> nnx.Param:
+    """A parameter of `shape` with logical axes `axes` (sharding.RULES)."""
+    return nnx.Param(logical(init, *axes)(rngs.params(), shape, dtype))
+
+
+def _table(rngs: nnx.Rngs, n: int, d: int, dtype, init=INIT) -> nnx.Param:
+    return _param(rngs, n, d, dtype=dtype, axes=("vocab", None), init=init)
 
 
 def _proj(rngs: nnx.Rngs, d: int, d_model: int, dtype) -> nnx.Param | None:
-    return None if d == d_model else _param(rngs, d, d_model, dtype=dtype)
+    return None if d == d_model else _param(rngs, d, d_model, dtype=dtype, axes=(None, "embed"))
 
 
 def _dtypes(dtype, param_dtype) -> tuple[jnp.dtype | None, jnp.dtype]:
@@ -89,7 +95,7 @@ class AdaptiveEmbedding(nnx.Module):
         self.dtype, self.param_dtype = pdt = _dtypes(dtype, param_dtype)
         init = nnx.initializers.normal(init_std)
         self.tables = nnx.List(
-            [_param(rngs, n, d, dtype=pdt[1], init=init) for n, d in lay.table_shapes()]
+            [_table(rngs, n, d, pdt[1], init=init) for n, d in lay.table_shapes()]
         )
         self.projs = nnx.List([_proj(rngs, d, lay.d_model, pdt[1]) for _, d in lay.table_shapes()])
 
@@ -152,7 +158,7 @@ class AdaptiveLogSoftmax(nnx.Module):
         if tie_embedding is not None:
             self.tables = tie_embedding.tables
         else:
-            self.tables = nnx.List([_param(rngs, m, d, dtype=pdt) for m, d in lay.table_shapes()])
+            self.tables = nnx.List([_table(rngs, m, d, pdt) for m, d in lay.table_shapes()])
         self.projs = nnx.List(
             [
                 tie_embedding.projs[lay.table_of(i)]
@@ -161,9 +167,14 @@ class AdaptiveLogSoftmax(nnx.Module):
                 for i, tie in enumerate(tie_projs)
             ]
         )
-        self.bias = nnx.Param(jnp.zeros(lay.vocab_size, pdt))
-        self.cluster_weight = _param(rngs, n - 1, lay.dims[0], dtype=pdt) if n > 1 else None
-        self.cluster_bias = nnx.Param(jnp.zeros(n - 1, pdt)) if n > 1 else None
+        zeros = nnx.initializers.zeros_init()  # draws no key
+        self.bias = nnx.Param(logical(zeros, "vocab")(None, (lay.vocab_size,), pdt))
+        self.cluster_weight = (
+            _param(rngs, n - 1, lay.dims[0], dtype=pdt, axes=("cluster", None)) if n > 1 else None
+        )
+        self.cluster_bias = (
+            nnx.Param(logical(zeros, "cluster")(None, (n - 1,), pdt)) if n > 1 else None
+        )
 
     def _dtypes(self, hidden: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
         """(compute dtype, log-softmax dtype) for these hidden states."""

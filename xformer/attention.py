@@ -107,11 +107,11 @@ class MultiHeadAttention(nnx.Module):
         self.implementation = implementation
         linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if kind == "self":
-            self.qkv_proj = Linear(d_model, 3 * d_model, **linear)
+            self.qkv_proj = Linear(d_model, 3 * d_model, axes=("embed", "heads"), **linear)
         else:
-            self.q_proj = Linear(d_model, d_model, **linear)
-            self.kv_proj = Linear(d_model, 2 * d_model, **linear)
-        self.out_proj = Linear(d_model, d_model, **linear)
+            self.q_proj = Linear(d_model, d_model, axes=("embed", "heads"), **linear)
+            self.kv_proj = Linear(d_model, 2 * d_model, axes=("embed", "heads"), **linear)
+        self.out_proj = Linear(d_model, d_model, axes=("heads", "embed"), **linear)
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def _heads(self, x: jax.Array, n: int) -> list[jax.Array]:

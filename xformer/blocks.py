@@ -11,11 +11,19 @@ from xformer.attention import MultiHeadAttention
 from xformer.dropout import Dropout
 from xformer.linear import Linear
 from xformer.positional.base import BoundScheme
+from xformer.sharding import logical
 
 
 def layer_norm(d_model: int, *, rngs: nnx.Rngs, **dtypes) -> nnx.LayerNorm:
     """LayerNorm over the last axis (statistics in at least float32, whatever the dtype)."""
-    return nnx.LayerNorm(d_model, epsilon=1e-6, **dtypes, rngs=rngs)
+    return nnx.LayerNorm(
+        d_model,
+        epsilon=1e-6,
+        scale_init=logical(nnx.initializers.ones_init(), "embed"),
+        bias_init=logical(nnx.initializers.zeros_init(), "embed"),
+        **dtypes,
+        rngs=rngs,
+    )
 
 
 def attention(cfg, kind: str, *, use_bias: bool = True, rngs: nnx.Rngs) -> MultiHeadAttention:
@@ -48,8 +56,8 @@ class FeedForward(nnx.Module):
     """Linear(d, d_ff) -> ReLU -> dropout -> Linear(d_ff, d)."""
 
     def __init__(self, d_model: int, d_ff: int, *, dropout: float, rngs: nnx.Rngs, **dtypes):
-        self.up = Linear(d_model, d_ff, **dtypes, rngs=rngs)
-        self.down = Linear(d_ff, d_model, **dtypes, rngs=rngs)
+        self.up = Linear(d_model, d_ff, axes=("embed", "mlp"), **dtypes, rngs=rngs)
+        self.down = Linear(d_ff, d_model, axes=("mlp", "embed"), **dtypes, rngs=rngs)
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from xformer import masks, model_config, positional
+from xformer import masks, model_config, positional, sharding
 from xformer.positional import SCHEMES
 
 ALLOWED = {  # data and train keys; the model keys' allowed values are in model_config.py
@@ -74,6 +74,14 @@ def base_config() -> ml_collections.ConfigDict:
     # "100:105": a jax.profiler trace of the steps with counter 100..104 (logged as steps 101-105)
     # in <workdir>/profile, for TensorBoard's profile plugin or Perfetto ("" = off)
     c.train.profile_steps = ""
+
+    # The device mesh (xformer/sharding.py): batch rows are split over data x fsdp; parameters
+    # and Adam's moments are sharded over fsdp; attention heads, the FFN's inner width and
+    # vocabularies are split over tensor. One size may be -1: the devices left over.
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
 
     c.eval = ml_collections.ConfigDict()
     c.eval.batch_size = 64  # sentences per decoding batch
@@ -196,6 +204,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"train.batch_size={t.batch_size} (a micro-batch has batch_size / grad_accum_steps "
             "rows)"
         )
+    sizes = [config.mesh[axis] for axis in sharding.MESH_AXES]
+    if any(not isinstance(n, int) or n == 0 or n < -1 for n in sizes) or sizes.count(-1) > 1:
+        raise ValueError(
+            f"mesh sizes (mesh.data, mesh.fsdp, mesh.tensor) = {tuple(sizes)} must be integers "
+            ">= 1, at most one of them -1 (the devices left over)"
+        )
     profile = profile_range(t.profile_steps)
     if profile and profile[1] > t.num_steps:
         raise ValueError(
@@ -209,21 +223,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> None:
-    """Raise ValueError naming the keys when the batches do not divide over the data-parallel
-    devices: train.batch_size, each micro-batch of it (train.grad_accum_steps), eval.batch_size.
-    """
+    """Raise ValueError naming the keys when the mesh (mesh.data, mesh.fsdp, mesh.tensor) does
+    not fit `num_devices`, or the batches do not divide over its data x fsdp row shards:
+    train.batch_size, each micro-batch of it (train.grad_accum_steps), eval.batch_size."""
+    data, fsdp, _ = sharding.mesh_shape(config.mesh, num_devices)
+    shards = data * fsdp
+    where = f"the {shards} row shards of the mesh (mesh.data x mesh.fsdp = {data} x {fsdp})"
     t = config.train
     for key, rows in (
         ("train.batch_size", t.batch_size),
         ("eval.batch_size", config.eval.batch_size),
     ):
-        if rows % num_devices:
-            raise ValueError(f"{key}={rows} must be divisible by the {num_devices} devices")
-    if (t.batch_size // t.grad_accum_steps) % num_devices:
+        if rows % shards:
+            raise ValueError(f"{key}={rows} must be divisible by {where}")
+    if (t.batch_size // t.grad_accum_steps) % shards:
         raise ValueError(
             f"a micro-batch of train.batch_size / train.grad_accum_steps = {t.batch_size} / "
             f"{t.grad_accum_steps} = {t.batch_size // t.grad_accum_steps} rows must be divisible "
-            f"by the {num_devices} devices (lower train.grad_accum_steps or raise the batch size)"
+            f"by {where} (lower train.grad_accum_steps or raise the batch size)"
         )
 
 

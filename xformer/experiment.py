@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xformer import config as config_lib
+from xformer import sharding
 from xformer.checkpoint import Checkpointer
 from xformer.optim import make_optimizer
 
@@ -42,25 +43,43 @@ class Experiment:
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P("data"))
+        """Batch rows over the data x fsdp mesh axes."""
+        return NamedSharding(self.mesh, sharding.batch_spec(self.mesh))
 
     def make_model(self, rngs: nnx.Rngs) -> nnx.Module:
         return self.model_cls(self.model_cfg, rngs=rngs)
 
+    def _init(self) -> dict:
+        params = nnx.state(self.make_model(model_rngs(self.config.train.seed)), nnx.Param)
+        return {
+            "step": jax.numpy.zeros((), jax.numpy.int32),
+            "params": params,
+            "opt_state": self.tx.init(params),
+        }
+
+    def state_shardings(self, mesh: Mesh | None = None) -> dict:
+        """Where each array of the train state (less the carry) lives on `mesh` (default: the
+        experiment's): parameters by their logical axes (sharding.RULES), Adam's moments like
+        their parameters, the rest copied."""
+        mesh = mesh or self.mesh
+        replicated = NamedSharding(mesh, P())
+        abstract = jax.eval_shape(self._init)
+        params = sharding.param_shardings(abstract["params"], mesh)
+        opt_state = optax.tree_map_params(
+            self.tx,
+            lambda _, param_sharding: param_sharding,
+            abstract["opt_state"],
+            params,
+            transform_non_params=lambda _: replicated,
+        )
+        return {"step": replicated, "params": params, "opt_state": opt_state}
+
     def init_state(self, carry: Any = None) -> dict:
-        """A fresh train state {"step", "params", "opt_state", "carry"}, replicated over the
-        mesh; `carry` is state that flows from step to step (e.g. an XL memory), already sharded.
-        """
-
-        def init():
-            params = nnx.state(self.make_model(model_rngs(self.config.train.seed)), nnx.Param)
-            return {
-                "step": jax.numpy.zeros((), jax.numpy.int32),
-                "params": params,
-                "opt_state": self.tx.init(params),
-            }
-
-        return {**jax.jit(init, out_shardings=self.replicated)(), "carry": carry or {}}
+        """A fresh train state {"step", "params", "opt_state", "carry"} placed by
+        `state_shardings`; `carry` is state that flows from step to step (e.g. an XL memory),
+        already sharded."""
+        state = jax.jit(self._init, out_shardings=self.state_shardings())()
+        return {**state, "carry": carry or {}}
 
     def abstract_state(self, carry: Any = None) -> dict:
         return jax.eval_shape(lambda: self.init_state(carry))
@@ -90,11 +109,6 @@ def quiet_library_logs() -> None:
     absl_logging.get_absl_handler().addFilter(_Filter())
 
 
-def make_mesh() -> Mesh:
-    """A 1-D data-parallel mesh over every device of every process."""
-    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-
-
 def setup(
     config: ml_collections.ConfigDict,
     workdir: str,
@@ -102,8 +116,8 @@ def setup(
     model_cfg: Any,
 ) -> Experiment:
     """Mesh, model graphs, optimizer and checkpointer for a validated config."""
-    mesh = make_mesh()
     config_lib.check_devices(config, jax.device_count())
+    mesh = sharding.make_mesh(config.mesh)
     os.makedirs(workdir, exist_ok=True)
     model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=model_rngs(0)))
     train_graphdef, _, _ = nnx.split(model, nnx.Param, ...)

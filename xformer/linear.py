@@ -12,6 +12,8 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from xformer.sharding import logical
+
 
 def over_rows(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
     """layer applied to x [..., d] as [N, d] -> [..., d_out]: its matmul is 2-D."""
@@ -20,7 +22,28 @@ def over_rows(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Arra
 
 
 class Linear(nnx.Linear):
-    """x [..., in_features] -> [..., out_features], computed as one [N, in] x [in, out] matmul."""
+    """x [..., in_features] -> [..., out_features], computed as one [N, in] x [in, out] matmul.
+
+    `axes`: the logical axis names (sharding.RULES) of the input and output features.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[str | None, str | None] = (None, None),
+        **kwargs,
+    ):
+        kernel_init = kwargs.pop("kernel_init", nnx.nn.linear.default_kernel_init)
+        bias_init = kwargs.pop("bias_init", nnx.initializers.zeros_init())
+        super().__init__(
+            in_features,
+            out_features,
+            kernel_init=logical(kernel_init, *axes),
+            bias_init=logical(bias_init, axes[1]),
+            **kwargs,
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return over_rows(super().__call__, x)

@@ -16,6 +16,7 @@ from xformer.linear import Linear, over_rows
 from xformer.model_config import TransformerConfig
 from xformer.positional import SCHEMES
 from xformer.positional.base import BoundScheme
+from xformer.sharding import logical
 
 
 class EncoderDecoder(nnx.Module):
@@ -26,7 +27,8 @@ class EncoderDecoder(nnx.Module):
         d = cfg.d_model
         if cfg.share_embeddings and cfg.src_vocab_size != cfg.tgt_vocab_size:
             raise ValueError("share_embeddings needs equal source and target vocabulary sizes")
-        init = nnx.initializers.normal(d**-0.5)  # unit scale after the sqrt(d) multiplier
+        init = logical(nnx.initializers.normal(d**-0.5), "vocab", "embed")  # unit scale after
+        # the sqrt(d) multiplier
         embed = dict(embedding_init=init, **cfg.dtypes, rngs=rngs)
         self.src_embed = nnx.Embed(cfg.src_vocab_size, d, **embed)
         self.tgt_embed = (
@@ -49,7 +51,14 @@ class EncoderDecoder(nnx.Module):
         self.output = (
             None
             if cfg.tie_output
-            else Linear(d, cfg.tgt_vocab_size, use_bias=False, **cfg.dtypes, rngs=rngs)
+            else Linear(
+                d,
+                cfg.tgt_vocab_size,
+                axes=("embed", "vocab"),
+                use_bias=False,
+                **cfg.dtypes,
+                rngs=rngs,
+            )
         )
 
     def _embed(self, table, scheme, tokens, positions):

@@ -218,7 +218,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     def global_batch(batch):
         return jax.make_array_from_process_local_data(exp.batch_sharding, batch)
 
-    jit_step = jax.jit(functools.partial(train_step, task), donate_argnums=0)
+    jit_step = jax.jit(  # the new state stays where the old one was (sharding.py)
+        functools.partial(train_step, task),
+        out_shardings=(jax.tree.map(lambda x: x.sharding, state), exp.replicated),
+        donate_argnums=0,
+    )
     first = global_batch(next(data_iter))
     compiled = jit_step.lower(state, rng_state, first).compile()
     # XLA counts a loop body once; the scan over micro-batches runs grad_accum_steps times (the

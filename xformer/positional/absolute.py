@@ -8,6 +8,7 @@ from flax import nnx
 
 from xformer import precision
 from xformer.positional.base import PositionalScheme
+from xformer.sharding import logical
 
 
 def sinusoidal_encoding(positions: jax.Array, d_model: int, dtype=jnp.float32) -> jax.Array:
@@ -49,7 +50,7 @@ class LearnedPositions(PositionalScheme):
 
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.max_len = cfg.max_len
-        init = nnx.initializers.normal(0.02)
+        init = logical(nnx.initializers.normal(0.02), None, "embed")
         self.table = nnx.Embed(
             cfg.max_len, cfg.d_model, embedding_init=init, **cfg.dtypes, rngs=rngs
         )

@@ -10,6 +10,7 @@ from flax import nnx
 
 from xformer.layout import Layout
 from xformer.positional.base import PositionalScheme
+from xformer.sharding import logical
 
 
 def relative_bucket(
@@ -40,7 +41,7 @@ class T5RelativeBias(PositionalScheme):
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.check_config(cfg)
         self.num_buckets, self.max_distance = cfg.relative_buckets, cfg.relative_max_distance
-        init = nnx.initializers.normal(0.02)
+        init = logical(nnx.initializers.normal(0.02), "relative", "heads")
         shape = (self.num_buckets, cfg.num_heads)
         self.table = nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)))
 

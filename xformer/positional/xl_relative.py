@@ -22,6 +22,7 @@ from xformer.layout import Layout
 from xformer.linear import Linear
 from xformer.positional.absolute import check_even_d_model, sinusoidal_encoding
 from xformer.positional.base import PositionalScheme
+from xformer.sharding import logical
 
 
 def relative_shift(x: jax.Array, k_len: int) -> jax.Array:
@@ -60,11 +61,15 @@ class XLRelativePositions(PositionalScheme):
         self.d_model, (self.num_heads, self.head_dim) = d, heads
         self.clamp_len, self.dtype = cfg.clamp_len, jnp.dtype(cfg.dtype)
         self.r_proj = nnx.List(
-            [Linear(d, d, use_bias=False, **cfg.dtypes, rngs=rngs) for _ in range(num_layers)]
+            [
+                Linear(d, d, axes=("embed", "heads"), use_bias=False, **cfg.dtypes, rngs=rngs)
+                for _ in range(num_layers)
+            ]
         )  # W_{k,R} per layer
-        init = nnx.initializers.normal(0.02)
         self.untied = cfg.untie_relative_biases
         shape = (num_layers, *heads) if self.untied else heads  # heads = (H, D)
+        axes = (None, "heads", "head_dim") if self.untied else ("heads", "head_dim")
+        init = logical(nnx.initializers.normal(0.02), *axes)
         self.u = nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)))
         self.v = nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)))
         self.dropout = Dropout(cfg.dropout, rngs=rngs)

@@ -19,10 +19,9 @@ import numpy as np
 from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from xformer import experiment as experiment_lib
-from xformer import model_config
+from xformer import model_config, sharding
 from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
 from xformer.data.readers import read_corpus
 from xformer.data.registry import LM_CORPORA
@@ -62,8 +61,8 @@ class EvalSettings:
 
 def _memory_sharding(mesh) -> dict:
     return {
-        "states": NamedSharding(mesh, P(None, "data")),
-        "filled": NamedSharding(mesh, P("data")),
+        name: NamedSharding(mesh, sharding.batch_spec(mesh, axis))
+        for name, axis in MEMORY_BATCH_AXES.items()
     }
 
 
@@ -210,7 +209,7 @@ class LanguageModelingTask:
         sums = []  # per-batch (nll, tokens) on device; summed in float64 at the end
         start = last_log = time.time()
         for i, batch in enumerate(batches):
-            batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+            batch = jax.device_put(batch, self.exp.batch_sharding)
             *batch_sums, memory = step(params, rng_state, memory, batch)
             sums.append(batch_sums)
             if log_every_s and time.time() - last_log > log_every_s:

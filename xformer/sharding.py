@@ -1,0 +1,125 @@
+"""The device mesh and where arrays live on it.
+
+The mesh has three named axes: "data" (batch rows), "fsdp" (batch rows, and parameters with
+their optimizer state sharded over it) and "tensor" (attention heads, the FFN's inner width and
+vocabularies split over it). Parameters carry logical axis names as Flax NNX sharding metadata
+(`logical`, at their creation); RULES maps each logical name to a mesh axis. A dimension that
+does not divide over its mesh axis is replicated instead (e.g. a 267,735-type vocabulary).
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # batch rows are split over both
+
+RULES: dict[str, str | None] = {  # logical axis -> mesh axis (None: replicated)
+    "embed": "fsdp",  # the model width d_model of weight matrices and embedding tables
+    "heads": "tensor",  # the H * D outputs of q/k/v projections (inputs of the output one)
+    "mlp": "tensor",  # the FFN's inner width d_ff
+    "vocab": "tensor",  # token types of embedding tables and output layers
+    "cluster": None,  # adaptive softmax: the cluster logits
+    "relative": None,  # T5 relative-position buckets
+    "head_dim": None,  # per-head vectors (Transformer-XL u, v)
+}
+
+
+def logical(init: Callable, *names: str | None) -> Callable:
+    """An initializer whose parameter carries the logical axis `names`, one per dimension."""
+    unknown = [n for n in names if n is not None and n not in RULES]
+    if unknown:
+        raise ValueError(f"logical axes {unknown} have no rule in sharding.RULES")
+    # eager_sharding=False: the parameter is created whole, and placed by the jitted init.
+    return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh of axes MESH_AXES sized by `shape` ({"data": -1, "fsdp": 1, "tensor": 1}; one
+    size may be -1: the devices left), over `devices` (default: every device of every process).
+    Raises ValueError naming the `mesh.*` keys when the sizes do not fit the device count."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(shape, len(devices))
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def mesh_shape(shape: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+    """(data, fsdp, tensor) sizes with the -1 filled in; see make_mesh."""
+    unknown = set(shape) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh keys {sorted(unknown)} are not mesh axes {MESH_AXES}")
+    sizes = [int(shape.get(axis, 1)) for axis in MESH_AXES]
+    keys = ", ".join(f"mesh.{a}={s}" for a, s in zip(MESH_AXES, sizes, strict=True))
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"{keys}: sizes must be >= 1, with at most one -1 (the rest)")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if num_devices % known:
+            raise ValueError(f"{keys}: {num_devices} devices do not divide by {known}")
+        sizes[sizes.index(-1)] = num_devices // known
+    if int(np.prod(sizes)) != num_devices:
+        raise ValueError(
+            f"{keys}: the mesh has {int(np.prod(sizes))} devices, but there are {num_devices}"
+        )
+    return tuple(sizes)
+
+
+def batch_spec(mesh: Mesh, axis: int = 0) -> P:
+    """Rows (dimension `axis`) over data x fsdp; the tensor axis holds copies."""
+    return P(*[None] * axis, BATCH_AXES)
+
+
+def batch_rows(mesh: Mesh) -> int:
+    """How many ways batch rows are split: data x fsdp."""
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def mesh_spec(logical_spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+    """Logical axis names -> mesh axes by RULES, each mesh axis used at most once; a dimension
+    that does not divide over its axis (or an axis of size 1) is replicated. FSDP shards every
+    parameter it can: when the rules gave no dimension "fsdp" (the width does not divide, or
+    there is none), the largest free dimension that divides takes it."""
+    names = tuple(logical_spec) + (None,) * (len(shape) - len(logical_spec))
+    out: list[str | None] = []
+    for name, size in zip(names, shape, strict=True):
+        axis = RULES.get(name) if isinstance(name, str) else None
+        if axis is None or axis in out or mesh.shape[axis] == 1 or size % mesh.shape[axis]:
+            axis = None
+        out.append(axis)
+    if "fsdp" not in out and mesh.shape["fsdp"] > 1:
+        free = [
+            i for i, size in enumerate(shape) if out[i] is None and size % mesh.shape["fsdp"] == 0
+        ]
+        if free:
+            out[max(free, key=lambda i: shape[i])] = "fsdp"
+    return P(*out)
+
+
+def param_shardings(abstract_params: nnx.State, mesh: Mesh) -> Any:
+    """NamedSharding of each parameter (a tree like `abstract_params`, of arrays or
+    ShapeDtypeStructs still wrapped in their nnx Variables) from its logical axes."""
+    specs = nnx.get_partition_spec(abstract_params)
+
+    def sharding(spec, x):
+        return NamedSharding(mesh, mesh_spec(spec, x.shape, mesh))
+
+    return jax.tree.map(sharding, specs, abstract_params, is_leaf=lambda x: isinstance(x, P))
+
+
+def per_device_bytes(tree: Any) -> dict[str, int]:
+    """Bytes of `tree`'s arrays (or ShapeDtypeStructs with shardings) held by each device:
+    {"max": largest over devices, "total": summed over the tree's global shapes}."""
+    per_device: dict[Any, int] = {}
+    total = 0
+    for x in jax.tree.leaves(tree):
+        itemsize = np.dtype(x.dtype).itemsize
+        total += int(np.prod(x.shape)) * itemsize
+        for device, index in x.sharding.devices_indices_map(x.shape).items():
+            shard = [len(range(*s.indices(n))) for s, n in zip(index, x.shape, strict=True)]
+            per_device[device] = per_device.get(device, 0) + int(np.prod(shard)) * itemsize
+    return {"max": max(per_device.values(), default=0), "total": total}
