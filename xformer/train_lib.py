@@ -15,6 +15,7 @@ from flax import nnx
 
 from xformer import config as config_lib
 from xformer import experiment as experiment_lib
+from xformer.dispatch import DispatchWindow
 from xformer.files import write_json
 from xformer.optim import learning_rate_schedule
 from xformer.precision import at_least_float32
@@ -235,7 +236,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # checkpoints and evaluation excluded.
     interval_start = float(progress.get("train_seconds", 0.0))
     clock = TrainClock(interval_start)
-    start_time, start_step, pending = time.time(), step, []
+    start_time, start_step, pending, window = time.time(), step, [], DispatchWindow()
     batch, last_metrics, out_of_time = first, {}, False
     profiler = StepProfiler(t.profile_steps, workdir, step, clock)
     try:
@@ -244,6 +245,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 state, metrics = compiled(state, rng_state, batch)
             pending.append(metrics)
+            window.push(metrics)
             step += 1
             profiler.after_step(step, (state, metrics))
             elapsed = time.time() - start_time

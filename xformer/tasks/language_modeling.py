@@ -26,6 +26,7 @@ from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
 from xformer.data.readers import read_corpus
 from xformer.data.registry import LM_CORPORA
 from xformer.data.vocab import ByteVocab, CharVocab, WordVocab, build_vocab
+from xformer.dispatch import DispatchWindow
 from xformer.language_model import MEMORY_BATCH_AXES, LanguageModel, reset_memory
 from xformer.masks import MASK_SCHEMES
 
@@ -207,11 +208,13 @@ class LanguageModelingTask:
             self._eval_steps[key] = jax.jit(step_fn)
         step = self._eval_steps[key]
         sums = []  # per-batch (nll, tokens) on device; summed in float64 at the end
+        window = DispatchWindow()
         start = last_log = time.time()
         for i, batch in enumerate(batches):
             batch = jax.device_put(batch, self.exp.batch_sharding)
             *batch_sums, memory = step(params, rng_state, memory, batch)
             sums.append(batch_sums)
+            window.push(batch_sums)
             if log_every_s and time.time() - last_log > log_every_s:
                 last_log = time.time()
                 elapsed = last_log - start

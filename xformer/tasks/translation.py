@@ -20,6 +20,7 @@ from xformer.data.pipeline import (
 )
 from xformer.data.tokenizer import BOS_ID
 from xformer.data.translation import load_tokenizers, split_text
+from xformer.dispatch import DispatchWindow
 from xformer.losses import cross_entropy
 from xformer.models import EncoderDecoder
 from xformer.translate import Translator
@@ -146,10 +147,11 @@ class Evaluator:
         self.target_lang = c.data.target_lang
 
     def loss(self, params, rng_state) -> dict:
-        totals = None
+        totals, window = None, DispatchWindow()
         for batch in self.batches:
             out = self._eval_step(params, rng_state, jax.device_put(batch, self.exp.batch_sharding))
             totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+            window.push(totals)
         nll = float(totals["nll_sum"] / totals["tokens"])
         return {"nll": nll, "perplexity": float(np.exp(nll))}
 
