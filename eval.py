@@ -13,6 +13,9 @@ Language modelling (scores every token of the split once; lengths independent of
 
 Results are printed as JSON and written to <workdir>/eval_<name>.json.
 
+With --distributed (and the multi-process flags of train.py) every process of a jax.distributed
+job evaluates its share of each batch; process 0 alone prints and writes the files.
+
 Comparing runs (e.g. the points of a sweep): one table row per workdir with the config values
 that differ, parameters, steps, training time, tokens/s, best validation and test metric, plus
 the validation curves against steps and training time (xformer/compare.py):
@@ -37,6 +40,7 @@ import jax
 from absl import app, flags, logging
 
 from xformer import compare as compare_lib
+from xformer import distributed_flags
 from xformer import experiment as experiment_lib
 from xformer.bleu import bleu_report
 from xformer.data.text import read_parallel_files, read_text_lines
@@ -95,6 +99,7 @@ def main(argv):
     if _WORKDIR.value is None:
         raise app.UsageError("--workdir (or --compare) is required")
     experiment_lib.quiet_library_logs()
+    distributed_flags.initialize_if_requested()
     workdir = _WORKDIR.value
     config = experiment_lib.load_config(workdir)
     family = config.model.family
@@ -114,8 +119,9 @@ def main(argv):
         result = evaluate_language_model(config, workdir)
     else:
         result = evaluate_translation(config, workdir)
-    write_json(os.path.join(workdir, f"eval_{result['name']}.json"), result)
-    print(json.dumps(result, indent=2))
+    if jax.process_index() == 0:
+        write_json(os.path.join(workdir, f"eval_{result['name']}.json"), result)
+        print(json.dumps(result, indent=2))
 
 
 def compare(extra_workdirs: list[str]) -> None:
@@ -133,7 +139,7 @@ def compare(extra_workdirs: list[str]) -> None:
 def _restore(task) -> tuple[dict, object]:
     exp = task.exp
     state, _ = exp.checkpointer.restore(exp.abstract_state(task.init_carry()), _STEP.value)
-    return state, jax.device_put(exp.rng_state, exp.replicated)
+    return state, exp.rng_state
 
 
 def evaluate_language_model(config, workdir: str) -> dict:
@@ -179,10 +185,11 @@ def evaluate_translation(config, workdir: str) -> dict:
     output = _OUTPUT.value or os.path.join(
         workdir, "translations", f"{name}.step{step}.{config.data.target_lang}"
     )
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, "w", encoding="utf-8") as f:
-        f.writelines(h + "\n" for h in hyps)
-    logging.info("wrote %d translations to %s", len(hyps), output)
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        with open(output, "w", encoding="utf-8") as f:
+            f.writelines(h + "\n" for h in hyps)
+        logging.info("wrote %d translations to %s", len(hyps), output)
     result = {
         "name": name,
         "step": step,

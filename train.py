@@ -11,6 +11,12 @@ in <workdir>/<point name>, one after the other, skipping finished points and res
 
     python train.py --sweep=configs/sweeps/ptb_positional.py --workdir=workdirs/ptb_pos --dry_run
     python train.py --sweep=configs/sweeps/ptb_positional.py --workdir=workdirs/ptb_pos
+
+Multi-process (one command per process, every one with the same flags; README "Multi-host"):
+
+    python train.py --config=... --workdir=<shared storage> --distributed   # SLURM, TPU, GKE
+    python train.py --config=... --workdir=... --distributed \
+        --coordinator_address=10.0.0.1:8476 --num_processes=2 --process_id=0
 """
 
 import sys
@@ -19,15 +25,12 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from xformer import distributed_flags, train_lib
 from xformer import experiment as experiment_lib
 from xformer import sweep as sweep_lib
-from xformer import train_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and vocabularies go here.")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Call jax.distributed.initialize() (multi-host; env-configured)."
-)
 _SWEEP = flags.DEFINE_string(
     "sweep", None, "A sweep file (instead of --config): run each point in <workdir>/<name>."
 )
@@ -41,7 +44,7 @@ def main(argv):
     if (_CONFIG.value is None) == (_SWEEP.value is None):
         raise app.UsageError("give exactly one of --config and --sweep")
     if _SWEEP.value is not None:
-        if _DISTRIBUTED.value:
+        if distributed_flags.DISTRIBUTED.value:
             raise app.UsageError("--distributed is for --config runs, not --sweep")
         try:
             sweep_lib.run(sweep_lib.load(_SWEEP.value), _WORKDIR.value, dry_run=_DRY_RUN.value)
@@ -51,8 +54,7 @@ def main(argv):
     if _DRY_RUN.value:
         raise app.UsageError("--dry_run needs --sweep")
     experiment_lib.quiet_library_logs()
-    if _DISTRIBUTED.value:
-        jax.distributed.initialize()
+    distributed_flags.initialize_if_requested()
     logging.info("devices: %s", jax.devices())
     result = train_lib.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     logging.info("finished: %s", result)

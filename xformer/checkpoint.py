@@ -5,13 +5,16 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from xformer import distributed
+
 
 class Checkpointer:
     """Keeps the last `keep` checkpoints under <workdir>/checkpoints.
 
     Each holds "state" (any pytree of arrays: params, optimizer state, step, RNG), "data" (the
-    JSON state of the training data iterator, so a resumed run sees the same batches) and
-    "progress" (JSON, e.g. the training seconds so far; absent from older checkpoints).
+    JSON state of the training data iterator, so a resumed run sees the same batches: every
+    process's own, as {"per_process": [state of process 0, ...]}) and "progress" (JSON, e.g.
+    the training seconds so far; absent from older checkpoints).
     """
 
     def __init__(self, workdir: str, keep: int = 2):
@@ -31,7 +34,7 @@ class Checkpointer:
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(data_state or {}),
+                data=ocp.args.JsonSave({"per_process": distributed.allgather_json(data_state)}),
                 progress=ocp.args.JsonSave(progress or {}),
             ),
         )
@@ -52,7 +55,17 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
             ),
         )
-        return restored["state"], restored["data"]
+        data = restored["data"]
+        if "per_process" not in data:  # written before per-process states (one process)
+            return restored["state"], data
+        states = data["per_process"]
+        if len(states) != jax.process_count():
+            raise ValueError(
+                f"checkpoint {step} in {self.manager.directory} holds the data positions of "
+                f"{len(states)} processes, but this run has {jax.process_count()}: resume it with "
+                f"{len(states)} processes"
+            )
+        return restored["state"], states[jax.process_index()] or {}
 
     def progress(self, step: int | None = None) -> dict:
         """The checkpoint's "progress" item; {} for checkpoints written before it existed."""

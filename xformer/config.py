@@ -48,7 +48,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.max_corpus_chars = 10_000_000  # SentencePiece training text budget per model
     c.data.max_train_length = 64  # packed row length; longer training pairs are dropped
     c.data.segment_length = 128  # language modelling: tokens per row per training step
-    c.data.num_packing_bins = 0  # first-fit bins per packing round (0 = 4 * train.batch_size)
+    c.data.num_packing_bins = 0  # first-fit bins per packing round (0 = 4 x rows per shard)
+    # Translation: each training batch joins this many independent packed streams (disjoint
+    # shares of the pairs, train.batch_size / input_shards rows each); a process reads
+    # input_shards / processes of them (0 = one per process). Fix it to get the same batches
+    # from any number of processes.
+    c.data.input_shards = 0
 
     c.train = ml_collections.ConfigDict()
     c.train.seed = 0
@@ -222,10 +227,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"eval.beam_size must be >= 1, got {config.eval.beam_size}")
 
 
-def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> None:
+def check_devices(
+    config: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1
+) -> None:
     """Raise ValueError naming the keys when the mesh (mesh.data, mesh.fsdp, mesh.tensor) does
-    not fit `num_devices`, or the batches do not divide over its data x fsdp row shards:
-    train.batch_size, each micro-batch of it (train.grad_accum_steps), eval.batch_size."""
+    not fit `num_devices`, the batches do not divide over its data x fsdp row shards
+    (train.batch_size, each micro-batch of it (train.grad_accum_steps), eval.batch_size), or
+    the training rows and input shards (data.input_shards) do not divide over the processes."""
     data, fsdp, _ = sharding.mesh_shape(config.mesh, num_devices)
     shards = data * fsdp
     where = f"the {shards} row shards of the mesh (mesh.data x mesh.fsdp = {data} x {fsdp})"
@@ -241,6 +249,16 @@ def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> None:
             f"a micro-batch of train.batch_size / train.grad_accum_steps = {t.batch_size} / "
             f"{t.grad_accum_steps} = {t.batch_size // t.grad_accum_steps} rows must be divisible "
             f"by {where} (lower train.grad_accum_steps or raise the batch size)"
+        )
+    if t.batch_size % num_processes:
+        raise ValueError(
+            f"train.batch_size={t.batch_size} must be divisible by the {num_processes} processes"
+        )
+    shards = config.data.input_shards
+    if shards < 0 or (shards and (shards % num_processes or t.batch_size % shards)):
+        raise ValueError(
+            f"data.input_shards={shards} must be 0 (one per process) or a multiple of the "
+            f"{num_processes} processes that divides train.batch_size={t.batch_size}"
         )
 
 

@@ -33,7 +33,8 @@ class Experiment:
     model_cfg: Any  # the family's frozen model dataclass
     train_graphdef: nnx.GraphDef  # dropout active
     eval_graphdef: nnx.GraphDef  # deterministic
-    rng_state: nnx.State  # dropout RNG streams (all non-parameter state), re-keyed each step
+    rng_state: nnx.State  # dropout RNG streams (all non-parameter state, replicated), re-keyed
+    # each step
     tx: optax.GradientTransformation
     checkpointer: Checkpointer
 
@@ -116,16 +117,18 @@ def setup(
     model_cfg: Any,
 ) -> Experiment:
     """Mesh, model graphs, optimizer and checkpointer for a validated config."""
-    config_lib.check_devices(config, jax.device_count())
+    config_lib.check_devices(config, jax.device_count(), jax.process_count())
     mesh = sharding.make_mesh(config.mesh)
     os.makedirs(workdir, exist_ok=True)
     model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=model_rngs(0)))
     train_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     model.eval()
     eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
-    # Only the RNG-stream state is kept; under jit XLA drops the unused parameter init.
+    # Only the RNG-stream state is kept; under jit XLA drops the unused parameter init. It is
+    # made on every device of the mesh (device_put cannot copy an array to other processes).
     rng_state = jax.jit(
-        lambda: nnx.state(model_cls(model_cfg, rngs=model_rngs(0)), nnx.Not(nnx.Param))
+        lambda: nnx.state(model_cls(model_cfg, rngs=model_rngs(0)), nnx.Not(nnx.Param)),
+        out_shardings=NamedSharding(mesh, P()),
     )()
     return Experiment(
         config=config,

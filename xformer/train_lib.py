@@ -14,6 +14,7 @@ from absl import logging
 from flax import nnx
 
 from xformer import config as config_lib
+from xformer import distributed
 from xformer import experiment as experiment_lib
 from xformer.dispatch import DispatchWindow
 from xformer.files import write_json
@@ -176,6 +177,15 @@ class StepProfiler:
         )
 
 
+def time_is_up(elapsed: float, budget: float, step: int, log_every: int) -> bool:
+    """Whether the `train.max_train_seconds` budget is spent. Several processes decide it once
+    per logging interval (at a step the host waits for the device anyway), by process 0's clock:
+    a process that stopped alone would leave the others waiting in a collective."""
+    if jax.process_count() == 1:
+        return elapsed >= budget
+    return step % log_every == 0 and distributed.agree(elapsed >= budget)
+
+
 def count_params(params) -> int:
     """Number of parameters: the summed sizes of the leaves of `params`."""
     return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
@@ -201,7 +211,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         data_iter.set_state(data_state)
         logging.info("resumed from step %d", int(state["step"]))
     step = int(state["step"])
-    rng_state = jax.device_put(exp.rng_state, exp.replicated)
+    rng_state = exp.rng_state
     done_path = os.path.join(workdir, DONE_FILE)
     if jax.process_index() == 0:
         info = {
@@ -248,8 +258,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             window.push(metrics)
             step += 1
             profiler.after_step(step, (state, metrics))
-            elapsed = time.time() - start_time
-            out_of_time = t.max_train_seconds and elapsed >= t.max_train_seconds
+            out_of_time = bool(t.max_train_seconds) and time_is_up(
+                time.time() - start_time, t.max_train_seconds, step, t.log_every
+            )
             done = step >= t.num_steps or out_of_time
             checkpoint_due = step % t.checkpoint_every == 0 or done
             if checkpoint_due:  # the position after the batches consumed by steps 1..step

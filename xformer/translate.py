@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xformer.data.pipeline import bucket_length, pad_rows, sorted_batches
@@ -34,14 +34,19 @@ class Translator:
         length_penalty: float,
         max_decode_extra: int,
         batch_size: int,
-        mesh: Mesh,
+        batch_sharding: NamedSharding,
     ):
         self.src_tok, self.tgt_tok = src_tok, tgt_tok
         self.beam_size, self.alpha = beam_size, length_penalty
         self.max_decode_extra, self.batch_size = max_decode_extra, batch_size
-        self.batch_sharding = NamedSharding(mesh, P("data"))
+        self.batch_sharding = batch_sharding
         self.max_positions = model_cfg.max_len if model_cfg.positional == "learned" else None
-        self._decode = jax.jit(functools.partial(self._decode_fn, graphdef), static_argnums=3)
+        # The tokens come back on every device: each process reads every row of the batch.
+        self._decode = jax.jit(
+            functools.partial(self._decode_fn, graphdef),
+            static_argnums=3,
+            out_shardings=NamedSharding(batch_sharding.mesh, P()),
+        )
 
     def _decode_fn(self, graphdef, params, rng_state, src, max_len: int) -> jax.Array:
         model = nnx.merge(graphdef, params, rng_state)

@@ -7,9 +7,9 @@ identical layouts and the shift never crosses an example boundary.
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 import grain
-import jax
 import numpy as np
 from grain import experimental as grain_exp
 
@@ -64,31 +64,50 @@ def packed_train_dataset(
     max_length: int,
     seed: int,
     num_packing_bins: int = 0,
+    num_shards: int = 1,
+    shards: Sequence[int] = (0,),
 ) -> grain.IterDataset:
-    """Shuffled (reshuffled every epoch), packed batches of this process's share of `pairs`.
+    """Shuffled (reshuffled every epoch), packed training batches.
 
-    Pairs with a side longer than max_length are dropped (training only). batch_size is the
-    per-process number of rows. Each element maps names to int32 arrays [batch_size, max_length].
+    A global batch of batch_size rows joins num_shards independent packed streams, shard s
+    packing the pairs s, s + num_shards, ... into batch_size / num_shards rows; this dataset
+    yields the rows of `shards` (one process's consecutive shards), so the global batches do not
+    depend on how many processes read them. Pairs with a side longer than max_length are
+    dropped (training only). Each element maps names to int32 arrays
+    [len(shards) * batch_size / num_shards, max_length].
     """
     keep = [
         i
         for i in range(len(pairs))
         if len(pairs.src[i]) <= max_length and len(pairs.tgt[i]) <= max_length
     ]
-    if not keep:
-        raise ValueError(f"no training pair fits data.max_train_length={max_length}")
-    ds = grain.MapDataset.source(keep)
-    ds = ds[jax.process_index() :: jax.process_count()]
-    ds = ds.shuffle(seed=seed).repeat().map(lambda i: _example(pairs.src[i], pairs.tgt[i]))
+    if len(keep) < num_shards:
+        raise ValueError(
+            f"{len(keep)} training pairs fit data.max_train_length={max_length}: too few for "
+            f"{num_shards} input shards"
+        )
+    rows = batch_size // num_shards
     lengths = {"src": max_length, "tgt_in": max_length, "tgt_out": max_length}
-    packed = grain_exp.FirstFitPackIterDataset(
-        ds.to_iter_dataset(),
-        length_struct=lengths,
-        num_packing_bins=num_packing_bins or 4 * batch_size,
-        seed=seed,
-        shuffle_bins=True,
-    )
-    return packed.batch(batch_size, drop_remainder=True).map(_rename_packed)
+
+    def shard(s: int) -> grain.IterDataset:
+        ds = grain.MapDataset.source(keep[s::num_shards]).shuffle(seed=seed).repeat()
+        ds = ds.map(lambda i: _example(pairs.src[i], pairs.tgt[i]))
+        packed = grain_exp.FirstFitPackIterDataset(
+            ds.to_iter_dataset(),
+            length_struct=lengths,
+            num_packing_bins=num_packing_bins or 4 * rows,
+            seed=seed,
+            shuffle_bins=True,
+        )
+        return packed.batch(rows, drop_remainder=True).map(_rename_packed)
+
+    if len(shards) == 1:
+        return shard(shards[0])
+    return grain_exp.ZipIterDataset([shard(s) for s in shards]).map(_join_rows)
+
+
+def _join_rows(parts: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def bucket_length(n: int, multiple: int = 16) -> int:

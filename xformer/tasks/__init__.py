@@ -17,7 +17,7 @@ def make_task(config: ml_collections.ConfigDict, workdir: str, *, train_if_missi
     """Validate the config (and its batch sizes against the devices), then build the task of
     its model family."""
     config_lib.validate(config)
-    config_lib.check_devices(config, jax.device_count())
+    config_lib.check_devices(config, jax.device_count(), jax.process_count())
     if config.model.family == "decoder_only":
         from xformer.tasks.language_modeling import LanguageModelingTask
 

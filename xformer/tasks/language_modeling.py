@@ -20,8 +20,8 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from xformer import distributed, model_config, sharding
 from xformer import experiment as experiment_lib
-from xformer import model_config, sharding
 from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
 from xformer.data.readers import read_corpus
 from xformer.data.registry import LM_CORPORA
@@ -97,7 +97,8 @@ class LanguageModelingTask:
         self.corpus = LM_CORPORA[d.dataset]
         self._streams: dict[str, np.ndarray] = {}
         self._eval_steps: dict[tuple, Callable] = {}  # compiled once per model variant
-        self.vocab = self._load_vocab(workdir, train_if_missing)
+        with distributed.main_process_first("prepare data and vocabulary"):
+            self.vocab = self._load_vocab(workdir, train_if_missing)
         cutoffs = config.model.adaptive_cutoffs
         if cutoffs and cutoffs[-1] >= len(self.vocab):
             raise ValueError(

@@ -8,8 +8,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from xformer import distributed, model_config
 from xformer import experiment as experiment_lib
-from xformer import model_config
 from xformer.bleu import bleu_report
 from xformer.data.pipeline import (
     EncodedPairs,
@@ -70,9 +70,10 @@ class TranslationTask:
         self, config: ml_collections.ConfigDict, workdir: str, *, train_if_missing: bool = True
     ):
         self.config = config
-        self.src_tok, self.tgt_tok = load_tokenizers(
-            config, workdir, train_if_missing=train_if_missing
-        )
+        with distributed.main_process_first("prepare data and vocabulary"):
+            self.src_tok, self.tgt_tok = load_tokenizers(
+                config, workdir, train_if_missing=train_if_missing
+            )
         model_cfg = model_config.from_config(
             config.model,
             src_vocab_size=self.src_tok.vocab_size,
@@ -92,19 +93,24 @@ class TranslationTask:
             length_penalty=e.length_penalty,
             max_decode_extra=e.max_decode_extra,
             batch_size=e.batch_size,
-            mesh=self.exp.mesh,
+            batch_sharding=self.exp.batch_sharding,
         )
 
     def train_batches(self):
         c = self.config
         src, tgt = split_text(c, c.data.train_split)
         pairs = EncodedPairs.from_text(src, tgt, self.src_tok, self.tgt_tok)
+        num_shards = c.data.input_shards or jax.process_count()
+        per_process = num_shards // jax.process_count()
+        first = jax.process_index() * per_process
         dataset = packed_train_dataset(
             pairs,
-            batch_size=c.train.batch_size // jax.process_count(),
+            batch_size=c.train.batch_size,
             max_length=c.data.max_train_length,
             seed=c.train.seed,
             num_packing_bins=c.data.num_packing_bins,
+            num_shards=num_shards,
+            shards=range(first, first + per_process),
         )
         return iter(dataset)
 

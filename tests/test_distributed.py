@@ -1,0 +1,242 @@
+"""train.py and eval.py as 2 processes on localhost (jax.distributed, 2 simulated CPU devices
+each) against 1 process on 4 devices with the same global batch: the run stops on its time
+budget (decided once, by process 0's clock), checkpoints every process's own data position,
+resumes, and its losses, final parameters, validation and test scores equal the one-process
+run's; process 0 alone writes the results."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import test_language_modeling as lm
+import test_train_eval as translation
+
+from xformer import config as config_lib
+from xformer.checkpoint import Checkpointer
+from xformer.config import flatten
+from xformer.data.pipeline import EncodedPairs, packed_train_dataset
+from xformer.dispatch import DispatchWindow
+from xformer.files import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+# float64, so that only the order of sums differs. atol: Adam moves a parameter by
+# lr * g / (|g| + eps), so one whose gradient is 0 up to rounding (a key bias) moves by noise.
+X64 = {"JAX_ENABLE_X64": "1"}
+FLOAT64 = ["--config.model.dtype=float64", "--config.model.param_dtype=float64"]
+TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
+FOUR_DEVICES = {**translation.FOUR_DEVICES, **X64}
+TWO_DEVICES = {"XLA_FLAGS": translation.FOUR_DEVICES["XLA_FLAGS"].replace("=4", "=2"), **X64}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_processes(args: list[str], timeout: float = 600) -> list[tuple[str, str]]:
+    """Run `python *args` as processes 0 and 1 of one jax.distributed job; their (stdout,
+    stderr)."""
+    port = free_port()
+    env = {**os.environ, **TWO_DEVICES, "XFORMER_DATA_DIR": str(ROOT.parent / "shared" / "data")}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                *args,
+                "--distributed",
+                f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"process {i}:\n{err[-4000:]}"
+    return outputs
+
+
+def final_params(workdir: Path, step: int) -> dict[str, np.ndarray]:
+    path = workdir / "checkpoints" / str(step) / "state"
+    checkpointer = ocp.PyTreeCheckpointer()
+    as_numpy = jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+        checkpointer.metadata(path).item_metadata.tree,
+    )
+    state = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    return flatten(state["params"])
+
+
+def metrics(workdir: Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_jsonl(str(workdir / "metrics.jsonl")) if key in r}
+
+
+FAMILIES = {  # family -> (train command, its extra flags, validation key, eval.py flags)
+    # Two input shards: the same packed batches whichever processes read them.
+    "translation": (
+        translation.train_cmd,
+        ["--config.data.input_shards=2"],
+        "val/nll",
+        ["--split=test_2017_mscoco", "--beam_size=2"],
+    ),
+    "language_modeling": (lm.train_cmd, [], "valid/nll", ["--split=test"]),
+}
+
+
+@pytest.mark.slow  # ~2 min per family: 7 processes, most of it compiling
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_two_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi30k_dir):
+    train_cmd, extra, val_key, eval_flags = FAMILIES[family]
+    common = [*FLOAT64, *extra, "--config.train.num_steps=4", "--config.train.eval_every=4"]
+    one = tmp_path / "one"
+    result = translation.run(
+        train_cmd(one, tfds_dir, *common, "--config.train.checkpoint_every=2"),
+        env_extra=FOUR_DEVICES,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Two processes, preparing their own data directory (process 0 first, behind a barrier).
+    # The first run stops on a spent time budget at its first logging step (2).
+    two, data_dir = tmp_path / "two", tmp_path / "tfds_two"
+    stopped = two_processes(
+        train_cmd(
+            two,
+            data_dir,
+            *common,
+            "--config.train.max_train_seconds=0.001",
+            "--config.train.log_every=2",
+            "--config.train.checkpoint_every=100",
+        )
+    )
+    assert translation.checkpoint_steps(two) == [2], stopped[0][1][-3000:]
+    resumed = two_processes(train_cmd(two, data_dir, *common, "--config.train.checkpoint_every=2"))
+    for _, err in resumed:
+        assert "resumed from step 2" in err
+    assert translation.checkpoint_steps(two)[-1] == 4
+
+    # Steps 3 and 4 read each process's restored data position and the restored state.
+    expected, got = metrics(one, "train/loss"), metrics(two, "train/loss")
+    np.testing.assert_allclose([got[3], got[4]], [expected[3], expected[4]], **TOLERANCE)
+    np.testing.assert_allclose(metrics(two, val_key)[4], metrics(one, val_key)[4], **TOLERANCE)
+    want, have = final_params(one, 4), final_params(two, 4)
+    assert have.keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(have[name], want[name], **TOLERANCE, err_msg=name)
+
+    # eval.py: the same scores; process 0 alone prints and writes them.
+    result = translation.run(["eval.py", f"--workdir={one}", *eval_flags], env_extra=FOUR_DEVICES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = json.loads(result.stdout)
+    (out0, _), (out1, _) = two_processes(["eval.py", f"--workdir={two}", *eval_flags])
+    assert "{" not in out1  # stdout also holds Gloo's connection lines
+    out0 = "\n" + out0
+    have = json.loads(out0[out0.index("\n{") + 1 :])
+    assert json.loads((two / f"eval_{have['name']}.json").read_text()) == have
+    if family == "translation":
+        assert have["sentences"] == want["sentences"] == 461
+        assert have["sacrebleu"] == want["sacrebleu"]
+        assert Path(have["output"]).read_text() == Path(want["output"]).read_text()
+    else:
+        assert have["tokens"] == want["tokens"]
+        np.testing.assert_allclose(have["nll"], want["nll"], **TOLERANCE)
+
+
+# The pieces, in one process ------------------------------------------------------------------
+
+
+def test_input_shards_join_into_the_same_batches():
+    """A batch of 2 input shards read by one process is the rows of each shard read alone (as
+    2 processes read them), in shard order; the shards split the pairs; the joined stream
+    resumes from its state."""
+    rng = np.random.default_rng()
+    lengths = rng.integers(4, 12, size=(2, 300))  # >= 4 tokens: no two pairs alike
+    src, tgt = ([rng.integers(4, 50, n).astype(np.int32) for n in side] for side in lengths)
+    pairs = EncodedPairs(src, tgt)
+    settings = {"batch_size": 8, "max_length": 16, "seed": 3, "num_shards": 2}
+    both = iter(packed_train_dataset(pairs, shards=(0, 1), **settings))
+    alone = [iter(packed_train_dataset(pairs, shards=(s,), **settings)) for s in (0, 1)]
+    seen = [set(), set()]
+    for _ in range(4):
+        batch, parts = next(both), [next(it) for it in alone]
+        for key in batch:
+            np.testing.assert_array_equal(batch[key], np.concatenate([p[key] for p in parts]))
+        assert batch["src"].shape == (8, 16)
+        for s, part in enumerate(parts):
+            for row, segs in zip(part["src"], part["src_segments"], strict=True):
+                for k in range(1, segs.max() + 1):
+                    seen[s].add(tuple(row[segs == k]))
+    assert not seen[0] & seen[1]
+    state, expected = both.get_state(), next(both)
+    resumed = iter(packed_train_dataset(pairs, shards=(0, 1), **settings))
+    resumed.set_state(state)
+    for key, value in next(resumed).items():
+        np.testing.assert_array_equal(value, expected[key])
+
+
+def test_input_shards_must_divide_over_processes_and_rows():
+    config = config_lib.base_config()
+    config.train.batch_size = 12
+    config_lib.check_devices(config, 4, num_processes=2)  # 0 = one shard per process
+    for shards in (3, 8, -1):  # not a multiple of 2 processes; 12 rows / 8; negative
+        config.data.input_shards = shards
+        with pytest.raises(ValueError, match=f"data.input_shards={shards} must be"):
+            config_lib.check_devices(config, 4, num_processes=2)
+    config.data.input_shards = 4
+    config_lib.check_devices(config, 4, num_processes=2)
+    config.train.batch_size = config.eval.batch_size = 6
+    with pytest.raises(ValueError, match="train.batch_size=6 must be divisible by the 4"):
+        config_lib.check_devices(config, 4, num_processes=4)
+
+
+def test_checkpoint_from_another_process_count_is_refused(tmp_path):
+    """Each process resumes its own data position, so the process count must match."""
+    state = {"step": jnp.array(3), "w": jnp.asarray(np.random.default_rng().normal(size=4))}
+    manager = ocp.CheckpointManager(tmp_path / "checkpoints", item_names=("state", "data"))
+    positions = {"per_process": [{"segment": 1}, {"segment": 2}]}
+    args = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(positions)}
+    manager.save(3, args=ocp.args.Composite(**args))
+    manager.close()
+    with pytest.raises(ValueError, match="data positions of 2 processes, but this run has 1"):
+        Checkpointer(str(tmp_path)).restore(state)
+    checkpointer = Checkpointer(str(tmp_path))  # a one-process checkpoint restores its own
+    checkpointer.save(4, state, {"segment": 5})
+    checkpointer.close()
+    restored, data = Checkpointer(str(tmp_path)).restore(state)
+    assert data == {"segment": 5} and int(restored["step"]) == 3
+    np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_dispatch_window_waits_for_the_step_size_places_back():
+    finished = []
+
+    class Step:
+        def __init__(self, i):
+            self.i = i
+
+        def block_until_ready(self):
+            finished.append(self.i)
+            return self
+
+    window = DispatchWindow(size=2)
+    for i in range(6):
+        window.push(Step(i))
+        assert finished == list(range(max(0, i - 1)))

@@ -1,0 +1,64 @@
+"""Multi-process runs (jax.distributed): start-up, and what the processes must agree on.
+
+Every process runs the same program over its own devices; collectives join them. A decision
+one process takes alone (a clock, a file it finds) must reach the others, or one skips a
+collective the rest wait in, and the run hangs.
+"""
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    """jax.distributed.initialize: explicit arguments where given, else what JAX detects from
+    the cluster's environment (SLURM, Open MPI, Cloud TPU, GKE, JAX_COORDINATOR_ADDRESS)."""
+    explicit = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    jax.distributed.initialize(**{k: v for k, v in explicit.items() if v is not None})
+
+
+@contextlib.contextmanager
+def main_process_first(name: str) -> Iterator[None]:
+    """Process 0 runs the block (e.g. preparing data, training a vocabulary on shared storage)
+    while the others wait; then they run it, finding its files ready. One process: no wait.
+    The block must hold no collective (no orbax manager, no multi-process jit): process 0 would
+    meet it alone."""
+    if jax.process_count() > 1 and jax.process_index() != 0:
+        multihost_utils.sync_global_devices(name)
+    try:
+        yield
+    finally:  # also when it failed: the others then run the block and report the error too
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            multihost_utils.sync_global_devices(name)
+
+
+def agree(flag: bool) -> bool:
+    """Process 0's `flag`, on every process."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def allgather_json(value: Any) -> list:
+    """Every process's JSON-serialisable `value`, in process order, on every process."""
+    if jax.process_count() == 1:
+        return [value]
+    raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([raw.size]))).ravel()
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths, strict=True)]
