@@ -3,7 +3,10 @@
     python train.py --config=configs/multi30k_ende.py --workdir=workdirs/multi30k
     python train.py --config=configs/multi30k_ende.py --config.model.num_heads=8 --workdir=...
 
-Re-running with the same --workdir resumes from its last checkpoint.
+Re-running with the same --workdir resumes from its last checkpoint; a config that changes the
+model, data or optimizer is refused there unless --accept_config_changes. SIGTERM / SIGINT:
+the run finishes its step, checkpoints and exits with status 75 (a second signal exits at
+once); a non-finite loss with train.nonfinite="stop" exits with status 3.
 
 A sweep (see xformer/sweep.py and configs/sweeps/) trains and evaluates each of its points
 in <workdir>/<point name>, one after the other, skipping finished points and resuming the rest;
@@ -25,12 +28,21 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from xformer import distributed_flags, train_lib
+from xformer import distributed_flags, preemption, train_lib
 from xformer import experiment as experiment_lib
 from xformer import sweep as sweep_lib
+from xformer.checkpoint import CheckpointWriteError
+
+EXIT_DIVERGED = 3  # train.nonfinite="stop" met a non-finite loss or gradient
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and vocabularies go here.")
+_ACCEPT_CHANGES = flags.DEFINE_bool(
+    "accept_config_changes",
+    False,
+    "Resume a workdir's checkpoints even though the config changes the model, data or optimizer "
+    "(by default such a resume is refused, listing the keys).",
+)
 _SWEEP = flags.DEFINE_string(
     "sweep", None, "A sweep file (instead of --config): run each point in <workdir>/<name>."
 )
@@ -56,8 +68,19 @@ def main(argv):
     experiment_lib.quiet_library_logs()
     distributed_flags.initialize_if_requested()
     logging.info("devices: %s", jax.devices())
-    result = train_lib.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    try:
+        result = train_lib.train_and_evaluate(
+            _CONFIG.value, _WORKDIR.value, accept_config_changes=_ACCEPT_CHANGES.value
+        )
+    except train_lib.DivergedError as e:
+        logging.error("%s", e)
+        sys.exit(EXIT_DIVERGED)
+    except CheckpointWriteError as e:
+        logging.error("%s", e)
+        sys.exit(1)
     logging.info("finished: %s", result)
+    if result["stopped"] == "signal":
+        sys.exit(preemption.EXIT_STOPPED)
 
 
 if __name__ == "__main__":

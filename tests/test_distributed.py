@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -20,7 +19,7 @@ import test_language_modeling as lm
 import test_train_eval as translation
 
 from xformer import config as config_lib
-from xformer.checkpoint import Checkpointer
+from xformer.checkpoint import Checkpointer, read_state
 from xformer.config import flatten
 from xformer.data.pipeline import EncodedPairs, packed_train_dataset
 from xformer.dispatch import DispatchWindow
@@ -76,14 +75,7 @@ def two_processes(args: list[str], timeout: float = 600) -> list[tuple[str, str]
 
 
 def final_params(workdir: Path, step: int) -> dict[str, np.ndarray]:
-    path = workdir / "checkpoints" / str(step) / "state"
-    checkpointer = ocp.PyTreeCheckpointer()
-    as_numpy = jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-        checkpointer.metadata(path).item_metadata.tree,
-    )
-    state = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
-    return flatten(state["params"])
+    return flatten(read_state(str(workdir), step)["params"])
 
 
 def metrics(workdir: Path, key: str) -> dict[int, float]:

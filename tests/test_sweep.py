@@ -377,3 +377,23 @@ def test_compare_the_two_runs(swept):
     assert all(f"| {name} |" in markdown for name in NAMES)
     assert markdown in result.stdout
     assert (root / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_point_trained_with_another_config_is_not_finished(tmp_path):
+    """A finished point whose stored config differs: resumable keys -> train (resume) and
+    evaluate again; keys that change the run -> refused, naming them, before anything runs."""
+    config = lm_base_config("ptb")
+    config.train.num_steps = 100
+    (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+    (tmp_path / "done.json").write_text(json.dumps({"step": 100, "reason": "num_steps"}))
+    (tmp_path / "eval_test.json").write_text(json.dumps({"step": 100}))
+    (tmp_path / "config.json").write_text(config.to_json())
+    assert sweep.remaining(str(tmp_path), config) == []
+
+    evaluated_otherwise = config.copy_and_resolve_references()
+    evaluated_otherwise.eval.mem_len = 640
+    assert sweep.remaining(str(tmp_path), evaluated_otherwise) == ["train", "eval"]
+    other_model = config.copy_and_resolve_references()
+    other_model.model.d_model, other_model.train.b2 = 256, 0.99
+    with pytest.raises(ValueError, match=r"another config \(model.d_model: .* -> 256; train.b2"):
+        sweep.remaining(str(tmp_path), other_model)

@@ -1,11 +1,18 @@
 """Resumable orbax checkpoints of the train state plus the input pipeline's position."""
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-from xformer import distributed
+from xformer import distributed, faults
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (its temporary directory is never committed)."""
 
 
 class Checkpointer:
@@ -18,11 +25,18 @@ class Checkpointer:
     """
 
     def __init__(self, workdir: str, keep: int = 2):
+        # Orbax writes a checkpoint asynchronously into a temporary directory and renames it
+        # when complete, so a process killed at any moment leaves no partial checkpoint under a
+        # step's name; a later run ignores (and overwrites) the temporary one.
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, temporary_path_class=faults.checkpoint_path_class()
+        )
         self.manager = ocp.CheckpointManager(
             os.path.join(os.path.abspath(workdir), "checkpoints"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            options=options,
             item_names=("state", "data", "progress"),
         )
+        self._writing: int | None = None  # the step of a save that may still be in flight
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -30,14 +44,42 @@ class Checkpointer:
     def save(
         self, step: int, state, data_state: dict | None = None, progress: dict | None = None
     ) -> None:
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave({"per_process": distributed.allgather_json(data_state)}),
-                progress=ocp.args.JsonSave(progress or {}),
-            ),
-        )
+        data = {"per_process": distributed.allgather_json(data_state)}
+        self.wait()
+        self._writing = step
+        with self._write_errors():
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave(data),
+                    progress=ocp.args.JsonSave(progress or {}),
+                ),
+            )
+
+    def wait(self) -> None:
+        """Wait until the last save is written and committed; raises CheckpointWriteError if
+        its write failed."""
+        if self._writing is not None:
+            with self._write_errors():
+                self.manager.wait_until_finished()
+            self._writing = None
+
+    @contextlib.contextmanager
+    def _write_errors(self) -> Iterator[None]:
+        """A failed write of a save (disk full, file too large, no permission), raised now or by
+        its background thread, as one CheckpointWriteError naming the step and directory."""
+        try:
+            yield
+        except (OSError, ValueError) as e:  # tensorstore reports file errors as ValueError
+            if isinstance(e, ValueError) and "os_error" not in str(e):
+                raise
+            step, self._writing = self._writing, None
+            raise CheckpointWriteError(
+                f"checkpoint {step} could not be written to {self.manager.directory}: {e}. Is "
+                "the disk full or not writable? The last complete checkpoint is kept; a rerun "
+                "resumes from it"
+            ) from e
 
     def _step(self, step: int | None) -> int:
         step = self.manager.latest_step() if step is None else step
@@ -79,4 +121,17 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the last save to finish, then release the manager."""
+        self.wait()
         self.manager.close()
+
+
+def read_state(workdir: str, step: int) -> dict:
+    """The "state" item of checkpoint `step` as numpy arrays on the host, whatever mesh wrote
+    it (for comparing runs and inspecting checkpoints; training restores with Checkpointer)."""
+    path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    as_numpy = jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+        checkpointer.metadata(path).item_metadata.tree,
+    )
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))

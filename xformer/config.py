@@ -20,6 +20,7 @@ from xformer.positional import SCHEMES
 ALLOWED = {  # data and train keys; the model keys' allowed values are in model_config.py
     "data.vocab": ("joint", "separate"),
     "train.schedule": ("rsqrt", "cosine", "constant"),
+    "train.nonfinite": ("stop", "skip"),
 }
 
 
@@ -62,7 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
     # and their gradients added up before the one update (the same step with less memory)
     c.train.grad_accum_steps = 1
     c.train.num_steps = 100_000
-    c.train.max_train_seconds = 0.0  # stop (and checkpoint) after this much time (0 = off)
+    # Stop (and checkpoint) once the run has spent this much wall time in its training loop,
+    # evaluation included, summed over every start of a resumed run (0 = off)
+    c.train.max_train_seconds = 0.0
     c.train.learning_rate = 7e-4  # peak rate; the paper's d_model**-0.5 * warmup**-0.5
     c.train.schedule = "rsqrt"  # rsqrt: linear warm-up then 1/sqrt(step), as in the paper
     c.train.warmup_steps = 4000
@@ -71,6 +74,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eps = 1e-9
     c.train.weight_decay = 0.0
     c.train.grad_clip_norm = 0.0  # 0 = off
+    # A step whose loss or gradient is not finite never updates the parameters or Adam's state.
+    # "stop": exit with an error naming the step, saving no checkpoint after it; "skip": go on
+    # (the step counts as done), counting skipped steps in the metrics (train/nonfinite_steps)
+    c.train.nonfinite = "stop"
     c.train.label_smoothing = 0.1
     c.train.log_every = 50
     c.train.eval_every = 1000  # validation loss and BLEU
@@ -225,6 +232,55 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     if config.eval.beam_size < 1:
         raise ValueError(f"eval.beam_size must be >= 1, got {config.eval.beam_size}")
+
+
+# What a resumed run may change without changing what it computes: how long it trains, how
+# it logs, checkpoints, evaluates, shards and reads files. Entries ending in "." are sections.
+RESUMABLE = (
+    "train.num_steps",
+    "train.max_train_seconds",
+    "train.log_every",
+    "train.eval_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.profile_steps",
+    "train.nonfinite",
+    "eval.",
+    "mesh.",
+    "model.attention_impl",
+    "data.data_dir",
+    "data.manual_dir",
+    "data.vocab_dir",
+)
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
+    """{dotted key: (old value, new value)} for every key whose value differs (a missing key
+    counts as None; tuples and JSON lists compare equal)."""
+
+    def plain(value):
+        return list(map(plain, value)) if isinstance(value, list | tuple) else value
+
+    a, b = flatten(old), flatten(new)
+    return {
+        key: (a.get(key), b.get(key))
+        for key in sorted(set(a) | set(b))
+        if plain(a.get(key)) != plain(b.get(key))
+    }
+
+
+def unresumable_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
+    """The changes (config_changes) outside RESUMABLE: they change the model, the data or the
+    optimisation, so the checkpoint would continue a different run."""
+    return {
+        key: change
+        for key, change in config_changes(old, new).items()
+        if not any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
+    }
+
+
+def format_changes(changes: dict[str, tuple]) -> str:
+    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
 
 
 def check_devices(

@@ -45,11 +45,13 @@ def main_process_first(name: str) -> Iterator[None]:
             multihost_utils.sync_global_devices(name)
 
 
-def agree(flag: bool) -> bool:
-    """Process 0's `flag`, on every process."""
+def allgather_flags(flags: list[bool]) -> np.ndarray:
+    """Every process's `flags`: a bool array [processes, len(flags)], in process order."""
+    mine = np.asarray(flags, bool)
     if jax.process_count() == 1:
-        return flag
-    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+        return mine[None]
+    rows = multihost_utils.process_allgather(mine.astype(np.uint8))
+    return np.asarray(rows).reshape(-1, mine.size).astype(bool)
 
 
 def allgather_json(value: Any) -> list:

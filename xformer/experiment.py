@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from xformer import config as config_lib
 from xformer import sharding
 from xformer.checkpoint import Checkpointer
+from xformer.files import write_json
 from xformer.optim import make_optimizer
 
 CONFIG_FILE = "config.json"
@@ -146,8 +147,38 @@ def setup(
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-            f.write(config.to_json(indent=2))
+        write_json(os.path.join(workdir, CONFIG_FILE), json.loads(config.to_json()))
+
+
+def has_checkpoint(workdir: str) -> bool:
+    """Whether the workdir holds a committed checkpoint (an unfinished write does not count)."""
+    root = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(root) and any(name.isdigit() for name in os.listdir(root))
+
+
+def check_workdir(config: ml_collections.ConfigDict, workdir: str, accept_changes: bool) -> None:
+    """Before any compute: the workdir must be writable, and a workdir with checkpoints resumes
+    only the run its config.json describes. Raises ValueError listing the keys that would change
+    the model, data or optimisation (config.RESUMABLE lists what may change), unless
+    `accept_changes`."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".writable.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"workdir {workdir!r} is not writable: {e}") from None
+    path = os.path.join(workdir, CONFIG_FILE)
+    if accept_changes or not has_checkpoint(workdir) or not os.path.exists(path):
+        return
+    changes = config_lib.unresumable_changes(load_config(workdir), config)
+    if changes:
+        raise ValueError(
+            f"{workdir} holds checkpoints of a run with another config: "
+            f"{config_lib.format_changes(changes)}. Use a new --workdir, or pass "
+            "--accept_config_changes to resume it with these changes"
+        )
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:

@@ -26,7 +26,9 @@ filesystem-safe name made from its overrides, e.g. `positional=sinusoidal,seed=1
 (the printed `python` is run as this interpreter, `sys.executable`). It skips points whose
 training and evaluation are finished, evaluates points whose training is finished, and resumes
 the others from their last checkpoint. Before anything runs, every point's config is built
-exactly as train.py will build it (same ml_collections override parsing) and validated.
+exactly as train.py will build it (same ml_collections override parsing) and validated, and
+compared with the config a point's workdir already holds: a point trained with another config
+is not finished (it resumes where only config.RESUMABLE keys differ; else the sweep refuses).
 """
 
 import dataclasses
@@ -44,8 +46,16 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from xformer import experiment as experiment_lib
 from xformer import launch
-from xformer.config import same_value, validate
+from xformer.config import (
+    config_changes,
+    format_changes,
+    same_value,
+    unresumable_changes,
+    validate,
+)
+from xformer.experiment import CONFIG_FILE
 from xformer.files import read_json_if_present
 from xformer.train_lib import DONE_FILE
 
@@ -225,7 +235,20 @@ def commands(sweep: Sweep, root: str, name: str) -> tuple[list[str], list[str]]:
 def remaining(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
     """What a point still needs: [] (finished), ["eval"] or ["train", "eval"]. Training is
     finished when done.json says it reached config.train.num_steps or stopped at
-    max_train_seconds; evaluation when eval_<test split>.json scores that final step."""
+    max_train_seconds; evaluation when eval_<test split>.json scores that final step. A point
+    whose stored config differs from `config` is not finished: it trains (resumes) and
+    evaluates again; raises ValueError when the difference forbids resuming (config.RESUMABLE).
+    """
+    stored = read_json_if_present(os.path.join(workdir, CONFIG_FILE))
+    if stored is not None and experiment_lib.has_checkpoint(workdir):
+        changes = unresumable_changes(stored, config)
+        if changes:
+            raise ValueError(
+                f"{workdir} holds a run of another config ({format_changes(changes)}): remove "
+                "it, or sweep into another --workdir"
+            )
+        if config_changes(stored, config):
+            return ["train", "eval"]
     done = read_json_if_present(os.path.join(workdir, DONE_FILE))
     if done is None or (
         done["step"] < config.train.num_steps and done["reason"] != "max_train_seconds"
@@ -258,9 +281,12 @@ def run(
             raise ValueError(f"sweep point {name!r}: {e}") from e
     echo(f"# sweep of {len(sweep.points)} points on {sweep.base} in {root}")
     todo, failed = {}, []
+    for name in sweep.names:  # every point's stored run checked before anything runs
+        try:
+            todo[name] = remaining(sweep.workdir(root, name), configs[name])
+        except ValueError as e:
+            raise ValueError(f"sweep point {name!r}: {e}") from e
     for i, name in enumerate(sweep.names, 1):
-        workdir = sweep.workdir(root, name)
-        todo[name] = remaining(workdir, configs[name])
         train, evaluate = commands(sweep, root, name)
         status = {0: "finished: skip", 1: "trained: eval", 2: "run"}[len(todo[name])]
         echo(f"# [{i}/{len(sweep.names)}] {name}: {status}")

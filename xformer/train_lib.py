@@ -14,12 +14,13 @@ from absl import logging
 from flax import nnx
 
 from xformer import config as config_lib
-from xformer import distributed
+from xformer import distributed, faults
 from xformer import experiment as experiment_lib
 from xformer.dispatch import DispatchWindow
 from xformer.files import write_json
 from xformer.optim import learning_rate_schedule
 from xformer.precision import at_least_float32
+from xformer.preemption import StopOnSignal
 from xformer.tasks import make_task
 from xformer.timing import TrainClock, format_duration
 
@@ -83,14 +84,22 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
         carry = {name: join_rows(x, axes[name]) for name, x in carry.items()}
     tokens = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g, p: (g / tokens).astype(p.dtype), grads, state["params"])
+    grad_norm = optax.tree_utils.tree_norm(grads)
     updates, opt_state = exp.tx.update(grads, state["opt_state"], state["params"])
+    # A non-finite loss or gradient never reaches the parameters or Adam's state: the step is
+    # skipped (the counter and the data move on; a non-finite carry entry restarts from 0).
+    finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
+
+    def if_finite(new, old):
+        return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
     new_state = {
         "step": state["step"] + 1,
-        "params": optax.apply_updates(state["params"], updates),
-        "opt_state": opt_state,
-        "carry": carry,
+        "params": if_finite(optax.apply_updates(state["params"], updates), state["params"]),
+        "opt_state": if_finite(opt_state, state["opt_state"]),
+        "carry": jax.tree.map(lambda c: if_finite(c, jnp.nan_to_num(c, posinf=0, neginf=0)), carry),
     }
-    return new_state, {**sums, "grad_norm": optax.tree_utils.tree_norm(grads)}
+    return new_state, {**sums, "grad_norm": grad_norm, "nonfinite": 1.0 - finite}
 
 
 def split_rows(x: jax.Array, axis: int, k: int) -> jax.Array:
@@ -177,13 +186,62 @@ class StepProfiler:
         )
 
 
-def time_is_up(elapsed: float, budget: float, step: int, log_every: int) -> bool:
-    """Whether the `train.max_train_seconds` budget is spent. Several processes decide it once
-    per logging interval (at a step the host waits for the device anyway), by process 0's clock:
-    a process that stopped alone would leave the others waiting in a collective."""
-    if jax.process_count() == 1:
-        return elapsed >= budget
-    return step % log_every == 0 and distributed.agree(elapsed >= budget)
+def stop_reason(
+    budget_seconds: float, budget: float, signalled: bool, step: int, log_every: int
+) -> str | None:
+    """Why training stops after this step: "signal" (SIGTERM / SIGINT), "max_train_seconds"
+    (the run's time budget is spent) or None. Several processes decide it once per logging
+    interval (at a step the host waits for the device anyway), together: a signal to any
+    process stops all, the budget by process 0's clock. A process that stopped alone would
+    leave the others waiting in a collective."""
+    time_up = bool(budget) and budget_seconds >= budget
+    if jax.process_count() > 1:
+        if step % log_every:
+            return None
+        flags = distributed.allgather_flags([time_up, signalled])  # [processes, 2]
+        time_up, signalled = bool(flags[0, 0]), bool(flags[:, 1].any())
+    return "signal" if signalled else "max_train_seconds" if time_up else None
+
+
+class DivergedError(RuntimeError):
+    """A non-finite loss or gradient with train.nonfinite="stop"."""
+
+
+class NonfiniteSteps:
+    """Counts the steps whose loss or gradient was not finite (train_step skipped their update)
+    and, for train.nonfinite="stop", raises DivergedError at the first one, before a checkpoint
+    could follow it."""
+
+    def __init__(self, mode: str, total: int = 0, checked_through: int = 0):
+        self.mode, self.total, self.checked_through = mode, total, checked_through
+
+    def check(self, pending: list[dict], step: int, last_checkpoint: int | None) -> None:
+        """`pending`: the metrics of steps step - len(pending) + 1 .. step; steps checked by an
+        earlier call are not counted again."""
+        steps = range(step - len(pending) + 1, step + 1)
+        bad = [
+            s
+            for s, m in zip(steps, pending, strict=True)
+            if s > self.checked_through and m["nonfinite"]
+        ]
+        self.checked_through = step
+        if not bad:
+            return
+        if self.mode == "stop":
+            kept = "none" if last_checkpoint is None else f"step {last_checkpoint}"
+            raise DivergedError(
+                f"non-finite loss or gradient at step {bad[0]}; its update was not applied and "
+                f"no checkpoint was saved after it (the last one kept: {kept}). Lower "
+                "train.learning_rate, set train.grad_clip_norm, or train.nonfinite='skip' to go on"
+            )
+        self.total += len(bad)
+        logging.warning(
+            "skipped the update of %d non-finite step(s) up to step %d (first: %d; %d so far)",
+            len(bad),
+            step,
+            bad[0],
+            self.total,
+        )
 
 
 def count_params(params) -> int:
@@ -191,13 +249,20 @@ def count_params(params) -> int:
     return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Train (resuming from the workdir's last checkpoint) and return final validation metrics."""
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, accept_config_changes: bool = False
+) -> dict:
+    """Train (resuming from the workdir's last checkpoint) and return final validation metrics
+    (with "stopped": "signal", "max_train_seconds" or None). A workdir with checkpoints resumes
+    only the same run (experiment.check_workdir) unless `accept_config_changes`."""
     # Imported here: tensorboardX (which imports torch where it is installed) serves the loop
     # only, not the users of train_step (bench/gpu_throughput.py runs where it is missing).
     from xformer.metric_writer import MetricWriter
 
-    task = make_task(config, workdir)
+    config_lib.validate(config)
+    experiment_lib.check_workdir(config, workdir, accept_config_changes)
+    # A resumed run needs the vocabulary it was trained with: never a new one.
+    task = make_task(config, workdir, train_if_missing=not experiment_lib.has_checkpoint(workdir))
     exp = task.exp
     experiment_lib.save_config(config, workdir)
     t = config.train
@@ -246,10 +311,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # checkpoints and evaluation excluded.
     interval_start = float(progress.get("train_seconds", 0.0))
     clock = TrainClock(interval_start)
+    # train.max_train_seconds is a budget for the whole run: the wall time of the loops of every
+    # start so far (up to its last checkpoint) counts, evaluation included.
+    budget_before = float(progress.get("budget_seconds", progress.get("train_seconds", 0.0)))
+    nonfinite = NonfiniteSteps(t.nonfinite, int(progress.get("nonfinite_steps", 0)), step)
     start_time, start_step, pending, window = time.time(), step, [], DispatchWindow()
-    batch, last_metrics, out_of_time = first, {}, False
+    batch, last_metrics, stopped = first, {}, None
     profiler = StepProfiler(t.profile_steps, workdir, step, clock)
+    signals = StopOnSignal()
     try:
+        signals.install()  # SIGTERM / SIGINT: stop after a step, checkpointed
         while step < t.num_steps:
             profiler.before_step(step, state)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
@@ -258,18 +329,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             window.push(metrics)
             step += 1
             profiler.after_step(step, (state, metrics))
-            out_of_time = bool(t.max_train_seconds) and time_is_up(
-                time.time() - start_time, t.max_train_seconds, step, t.log_every
+            faults.stall_after_step(step, signals.requested)
+            budget_seconds = budget_before + time.time() - start_time
+            stopped = stop_reason(
+                budget_seconds, t.max_train_seconds, signals.requested(), step, t.log_every
             )
-            done = step >= t.num_steps or out_of_time
+            done = step >= t.num_steps or stopped is not None
             checkpoint_due = step % t.checkpoint_every == 0 or done
             if checkpoint_due:  # the position after the batches consumed by steps 1..step
                 data_state = data_iter.get_state()
             if not done:
                 batch = global_batch(next(data_iter))  # host work overlaps the async device step
 
+            if step % t.log_every == 0 or checkpoint_due:  # waits for the device
+                nonfinite.check(pending, step, exp.checkpointer.latest_step())
             if step % t.log_every == 0 or done:
-                sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)  # waits for the device
+                sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)
                 train_seconds = clock.seconds()
                 dt = train_seconds - interval_start
                 elapsed = time.time() - start_time  # dispatch runs ahead; time it after the sync
@@ -277,7 +352,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 rate = (step - start_step) / elapsed
                 remaining = (t.num_steps - step) / rate
                 if t.max_train_seconds:
-                    remaining = min(remaining, t.max_train_seconds - elapsed)
+                    remaining = min(remaining, t.max_train_seconds - budget_seconds)
                 last_metrics = {
                     "loss": sums["loss_sum"] / sums["tokens"],
                     "nll": sums["nll_sum"] / sums["tokens"],
@@ -289,6 +364,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     "target_tokens_per_s": sums["tokens"] / dt,
                     "gflop_per_s": flops * steps_per_s / 1e9,
                     "train_seconds": train_seconds,
+                    "nonfinite_steps": sums["nonfinite"],
+                    "nonfinite_steps_total": nonfinite.total,
                 }
                 with clock.paused():
                     writer.write(step, last_metrics, prefix="train/")
@@ -307,12 +384,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     )
                 interval_start, pending = train_seconds, []
 
-            eval_due = step % t.eval_every == 0 or done
+            # A signal leaves little time (a grace period): checkpoint, no evaluation.
+            eval_due = (step % t.eval_every == 0 or done) and stopped != "signal"
             if checkpoint_due or eval_due:
                 jax.block_until_ready(state)  # the steps so far count as training time
             if checkpoint_due:
                 with clock.paused():
-                    progress = {"train_seconds": clock.seconds()}
+                    progress = {
+                        "train_seconds": clock.seconds(),
+                        "budget_seconds": budget_before + time.time() - start_time,
+                        "nonfinite_steps": nonfinite.total,
+                    }
                     exp.checkpointer.save(step, state, data_state, progress)
             if eval_due:
                 with clock.paused():
@@ -334,11 +416,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             if done:
                 break
     finally:
+        signals.uninstall()
         profiler.close()  # a run that stopped inside the range (time limit, error) keeps its trace
-    exp.checkpointer.close()
-    writer.close()
+        exp.checkpointer.close()  # waits for the last save; a diverged run saved nothing new
+        writer.close()
     ran = step > start_step or not os.path.exists(done_path)  # keep the marker of a finished run
-    if jax.process_index() == 0 and (step >= t.num_steps or out_of_time) and ran:
+    finished = step >= t.num_steps or stopped == "max_train_seconds"
+    if jax.process_index() == 0 and finished and ran:
         reason = "num_steps" if step >= t.num_steps else "max_train_seconds"
         write_json(done_path, {"step": step, "reason": reason, "metrics": last_metrics})
-    return {"step": step, **last_metrics}
+    if stopped == "signal":
+        logging.warning(
+            "stopped by %s at step %d with a checkpoint: re-run the same command to resume",
+            signals.signal_name,
+            step,
+        )
+    return {"step": step, "stopped": stopped, **last_metrics}

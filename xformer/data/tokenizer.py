@@ -89,5 +89,8 @@ def cached_tokenizer(
     if os.path.exists(path):
         return Tokenizer(path)
     if not train_if_missing:
-        raise FileNotFoundError(f"no tokenizer {path}; run train.py with this workdir first")
+        raise FileNotFoundError(
+            f"no tokenizer {path}: train.py writes it when a run starts, and a workdir with "
+            "checkpoints needs the one it was trained with (put it back, or use a new workdir)"
+        )
     return train_tokenizer(texts_fn(), path, vocab_size, max_chars)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,7 +83,9 @@ class SymbolVocab:
     def save(self, path: str | Path) -> None:
         """Writes one symbol per line, in id order (UTF-8)."""
         lines = "".join(f"{self._to_line(s)}\n" for s in self.symbols)
-        Path(path).write_text(lines, encoding="utf-8")
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(lines, encoding="utf-8")
+        os.replace(tmp, path)  # never a half-written vocabulary under its real name
 
     @classmethod
     def load(cls, path: str | Path) -> SymbolVocab:

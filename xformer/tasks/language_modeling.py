@@ -119,7 +119,10 @@ class LanguageModelingTask:
         if os.path.exists(path):
             return (WordVocab if self.corpus.tokenization == "whitespace" else CharVocab).load(path)
         if not train_if_missing:
-            raise FileNotFoundError(f"{path} not found: the vocabulary is written by train.py")
+            raise FileNotFoundError(
+                f"{path} not found: train.py writes it when a run starts, and a workdir with "
+                "checkpoints needs the one it was trained with (put it back, or use a new workdir)"
+            )
         vocab = build_vocab(self.corpus, self._read(d.train_split), max_size=d.vocab_size)
         if jax.process_index() == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -1,0 +1,302 @@
+"""Reliability: a kill at any moment loses at most the work since the last checkpoint, and the
+resumed run is the run that would have happened.
+
+SIGTERM / SIGINT stop after the step with a checkpoint (exit status 75); kill -9 in the middle
+of an asynchronous checkpoint write (xformer/faults.py stalls its commit) or between
+checkpoints resumes from the newest complete one; the final parameters equal an uninterrupted
+run's bit for bit. Non-finite steps never reach the parameters. A workdir resumes only its own
+run, its time budget spans resumes, and write failures are one clear error.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_language_modeling as lm
+import test_train_eval as translation
+from test_distributed import final_params, metrics
+from test_grad_accum import tiny_task
+from test_language_modeling import ptb  # noqa: F401 (a fixture)
+
+from xformer import config as config_lib
+from xformer import experiment as experiment_lib
+from xformer.preemption import EXIT_STOPPED
+from xformer.train_lib import train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_CMDS = {"translation": translation.train_cmd, "language_modeling": lm.train_cmd}
+STEPS = ["--config.train.num_steps=6", "--config.train.checkpoint_every=2"]
+
+
+def start(cmd: list[str], log: Path, fault: str | None = None) -> subprocess.Popen:
+    env = {**os.environ, "XFORMER_DATA_DIR": str(ROOT.parent / "shared" / "data")}
+    env.pop("XFORMER_FAULT", None)
+    if fault:
+        env["XFORMER_FAULT"] = fault
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stderr=f)
+
+
+def wait_for(marker: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    """Until the process has stalled where its fault says (it wrote `marker`)."""
+    deadline = time.time() + timeout
+    while not marker.exists():
+        assert proc.poll() is None, f"exited {proc.returncode} before stalling:\n{log.read_text()}"
+        assert time.time() < deadline, "never stalled"
+        time.sleep(0.05)
+
+
+def kill_at(cmd: list[str], tmp_path: Path, fault: str, sig: int) -> tuple[int, str]:
+    """Run `cmd` until it stalls at `fault` ("commit:<step>" or "step:<step>"), send `sig`,
+    and return its exit status and log."""
+    marker, log = tmp_path / f"stalled-{fault}", tmp_path / f"log-{fault}-{sig}"
+    proc = start(cmd, log, f"{fault}:{marker}")
+    wait_for(marker, proc, log)
+    proc.send_signal(sig)
+    return proc.wait(timeout=300), log.read_text()
+
+
+@pytest.mark.slow  # ~1 min per family: 5 train.py runs
+@pytest.mark.parametrize("family", list(TRAIN_CMDS))
+@pytest.mark.usefixtures("ptb", "multi30k_dir")
+def test_interrupted_run_equals_uninterrupted_bit_for_bit(family, tmp_path, tfds_dir):
+    train_cmd = TRAIN_CMDS[family]
+    ref = tmp_path / "ref"
+    result = translation.run(train_cmd(ref, tfds_dir, *STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    run = tmp_path / "run"
+    cmd = train_cmd(run, tfds_dir, *STEPS)
+    # kill -9 while checkpoint 4 is written but not committed: only checkpoint 2 counts.
+    status, log = kill_at(cmd, tmp_path, "commit:4", signal.SIGKILL)
+    assert status == -signal.SIGKILL, log[-3000:]
+    assert translation.checkpoint_steps(run) == [2]
+    assert (run / "checkpoints" / "4.orbax-checkpoint-tmp").is_dir()
+    # SIGTERM after step 5 (resumed from 2): the step finishes, checkpoint 5, status 75.
+    status, log = kill_at(cmd, tmp_path, "step:5", signal.SIGTERM)
+    assert status == EXIT_STOPPED, log[-3000:]
+    assert "resumed from step 2" in log and "stopped by SIGTERM at step 5" in log
+    assert translation.checkpoint_steps(run) == [4, 5]
+    # kill -9 between checkpoints (after step 6 ran, before it was saved), then finish.
+    status, log = kill_at(cmd, tmp_path, "step:6", signal.SIGKILL)
+    assert status == -signal.SIGKILL and "resumed from step 5" in log, log[-3000:]
+    result = translation.run(cmd)
+    assert result.returncode == 0 and "resumed from step 5" in result.stderr, result.stderr[-3000:]
+
+    want, have = final_params(ref, 6), final_params(run, 6)
+    assert have.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(have[name], want[name], err_msg=name)
+    losses, ref_losses = metrics(run, "train/loss"), metrics(ref, "train/loss")
+    assert losses == ref_losses  # {step: loss} of the last run to log each step
+    assert metrics(run, "train/nonfinite_steps_total")[6] == 0
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    """The first SIGTERM / SIGINT only asks to stop; the second one kills, as by default."""
+    script = textwrap.dedent(
+        """
+        import os, signal, sys
+        from xformer.preemption import StopOnSignal
+        stop = StopOnSignal()
+        stop.install()
+        os.kill(os.getpid(), signal.SIG)
+        assert stop.requested() and stop.signal_name == "SIG", stop.signal_name
+        print("asked to stop", flush=True)
+        os.kill(os.getpid(), signal.SIG)
+        print("still alive", flush=True)
+        """
+    )
+    for name in ("SIGTERM", "SIGINT"):
+        result = subprocess.run(
+            [sys.executable, "-c", script.replace("SIG", name)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert result.stdout == "asked to stop\n", result.stderr
+        assert result.returncode == -getattr(signal, name)
+
+
+# Non-finite steps -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["translation", "language_modeling"])
+def test_a_nonfinite_step_never_reaches_the_parameters(family, tmp_path):
+    """Between two finite steps, a step with a NaN in its batch (LM token weights) or its
+    parameters (translation) leaves parameters and Adam's state exactly as they were, moves the
+    counter, reports itself, and keeps the XL memory finite."""
+    with jax.enable_x64(True):  # the tiny task is float64
+        check_nonfinite_step_is_skipped(family, str(tmp_path))
+
+
+def check_nonfinite_step_is_skipped(family: str, workdir: str) -> None:
+    task = tiny_task(family, workdir, **{"train.nonfinite": "skip"})
+    rng = np.random.default_rng()
+    state = task.exp.init_state(task.carry(rng))
+    step = jax.jit(lambda state, batch: train_step(task, state, task.exp.rng_state, batch))
+
+    state, out = step(state, task.batch(rng))
+    assert float(out["nonfinite"]) == 0.0
+    batch = task.batch(rng)
+    if family == "language_modeling":
+        batch["weights"][3, 2] = np.nan
+    else:
+        leaves, treedef = jax.tree.flatten(state["params"])
+        leaves[-1] = leaves[-1].at[(0,) * leaves[-1].ndim].set(jnp.nan)
+        state = {**state, "params": jax.tree.unflatten(treedef, leaves)}
+    before = jax.device_get(state)
+    after, out = step(state, batch)
+    after = jax.device_get(after)
+    assert float(out["nonfinite"]) == 1.0 and not np.isfinite(float(out["loss_sum"]))
+    assert int(after["step"]) == int(before["step"]) + 1
+    for part in ("params", "opt_state"):
+        for (path, old), new in zip(
+            jax.tree.leaves_with_path(before[part]), jax.tree.leaves(after[part]), strict=True
+        ):
+            np.testing.assert_array_equal(new, old, err_msg=jax.tree_util.keystr(path))
+    for name, value in after["carry"].items():
+        assert np.isfinite(value).all(), name
+    if family == "language_modeling":  # and training goes on
+        state, out = step(after, task.batch(rng))
+        assert float(out["nonfinite"]) == 0.0
+        changed = jax.tree.map(
+            lambda a, b: not np.array_equal(a, b), jax.device_get(state["params"]), after["params"]
+        )
+        assert sum(jax.tree.leaves(changed)) > len(jax.tree.leaves(changed)) / 2
+
+
+@pytest.mark.slow  # ~30 s: 2 train.py runs
+@pytest.mark.usefixtures("ptb")
+def test_divergence_stops_or_skips(tmp_path, tfds_dir):
+    """An absurd learning rate makes step 3 non-finite (step 1 runs at the warm-up's rate 0,
+    step 2 moves every parameter by ~1e30). "stop": status 3, a message naming the step, no
+    checkpoint after step 2. "skip": the run finishes, its parameters stay step 2's, and the
+    metrics count the 2 skipped steps."""
+    common = [
+        "--config.train.num_steps=4",
+        "--config.train.checkpoint_every=1",
+        "--config.train.learning_rate=1e30",
+        "--config.train.warmup_steps=1",
+        "--config.train.schedule=constant",
+        "--config.train.grad_clip_norm=0",
+    ]
+    stop = tmp_path / "stop"
+    result = translation.run(lm.train_cmd(stop, tfds_dir, *common))
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "non-finite loss or gradient at step 3" in result.stderr
+    assert "the last one kept: step 2" in result.stderr
+    assert translation.checkpoint_steps(stop) == [1, 2]
+
+    skip = tmp_path / "skip"
+    result = translation.run(lm.train_cmd(skip, tfds_dir, *common, "--config.train.nonfinite=skip"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert metrics(skip, "train/nonfinite_steps") == {1: 0, 2: 0, 3: 1, 4: 1}
+    assert metrics(skip, "train/nonfinite_steps_total")[4] == 2
+    after_3, after_4 = final_params(skip, 3), final_params(skip, 4)  # (checkpoints kept: 2)
+    for name, value in after_4.items():
+        assert np.isfinite(value).all(), name
+        np.testing.assert_array_equal(value, after_3[name], err_msg=name)
+
+
+# The workdir's run ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # ~40 s: 4 train.py runs
+def test_a_workdir_resumes_only_its_own_run(tmp_path, tfds_dir, multi30k_dir):
+    """Changing the model or optimizer is refused before compute, listing the keys, unless
+    --accept_config_changes; resumable keys may change; the time budget spans resumes; a
+    missing vocabulary is an error, never a new one."""
+    workdir = tmp_path / "run"
+    first = translation.run(translation.train_cmd(workdir, tfds_dir, "--config.train.num_steps=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    progress = json.loads((workdir / "checkpoints" / "2" / "progress" / "metadata").read_text())
+    assert progress["budget_seconds"] > 0
+
+    changed = translation.run(
+        translation.train_cmd(
+            workdir, tfds_dir, "--config.model.d_ff=96", "--config.train.learning_rate=3e-3"
+        )
+    )
+    assert changed.returncode != 0
+    assert "model.d_ff: 64 -> 96; train.learning_rate: " in changed.stderr
+    assert "--accept_config_changes" in changed.stderr
+
+    # More steps, under a budget the first run already spent: one step (3), then it stops (a
+    # budget per start would run on for most of a second run's worth of seconds).
+    budget = progress["budget_seconds"] * 0.9
+    resumed = translation.run(
+        translation.train_cmd(
+            workdir,
+            tfds_dir,
+            "--config.train.num_steps=50",
+            f"--config.train.max_train_seconds={budget}",
+            "--config.train.learning_rate=3e-3",
+            "--accept_config_changes",
+        )
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    done = json.loads((workdir / "done.json").read_text())
+    assert done["reason"] == "max_train_seconds" and done["step"] == 3
+    assert "resumed from step 2" in resumed.stderr
+
+    for path in (workdir / "vocab").iterdir():
+        path.unlink()
+    more = ["--config.train.num_steps=60", "--config.train.learning_rate=3e-3"]
+    missing = translation.run(translation.train_cmd(workdir, tfds_dir, *more))
+    assert missing.returncode != 0
+    assert "a workdir with checkpoints needs the one it was trained with" in missing.stderr
+
+
+def test_unwritable_workdir_is_refused(tmp_path):
+    config = config_lib.base_config()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="is not writable"):
+        experiment_lib.check_workdir(config, str(blocker / "run"), accept_changes=False)
+
+
+def test_failed_checkpoint_write_is_one_clear_error(tmp_path):
+    """A write that fails (a file size limit stands in for a full disk) raises one error naming
+    the directory; the failed checkpoint is never committed and the previous one restores."""
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        import jax.numpy as jnp, numpy as np
+        from xformer.checkpoint import Checkpointer, CheckpointWriteError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too large write fails, not kills
+        small = {{"w": jnp.asarray(np.random.default_rng().normal(size=8), jnp.float32)}}
+        checkpointer = Checkpointer({str(tmp_path)!r})
+        checkpointer.save(1, small, {{"epoch": 0}})
+        checkpointer.close()
+        checkpointer = Checkpointer({str(tmp_path)!r})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+        try:
+            big = np.random.default_rng().normal(size=(1000, 1000))  # does not compress
+            checkpointer.save(2, {{"w": jnp.asarray(big, jnp.float32)}}, {{"epoch": 1}})
+            checkpointer.close()
+        except CheckpointWriteError as e:
+            print(e)
+        restored, data = Checkpointer({str(tmp_path)!r}).restore(small)
+        np.testing.assert_array_equal(restored["w"], small["w"])
+        print("restored", data)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    message, restored = result.stdout.strip().splitlines()
+    assert message.startswith(f"checkpoint 2 could not be written to {tmp_path / 'checkpoints'}")
+    assert "File too large" in message and "Is the disk full" in message
+    assert restored == "restored {'epoch': 0}"
+    assert translation.checkpoint_steps(tmp_path) == [1]
