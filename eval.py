@@ -6,12 +6,23 @@ Translation (translates every line, scores with BLEU):
     python eval.py --workdir=workdirs/multi30k_ende --input=my.en --reference=my.de \\
         --output=my.hyp.de
 
-Language modelling (scores every token of the split once; lengths independent of training):
+--input gets exactly one output line per input line, in order, whatever the file holds (the
+line contract of xformer/data/text.py, the batching and length limits of xformer/translate.py):
+empty lines give empty outputs, inputs longer than eval.max_input_tokens are cut, translated
+and counted, batches stay within eval.max_tokens_per_batch tokens.
+
+Language modelling (scores every token of the split, or of an --input file in the corpus's
+format, once; lengths independent of training):
 
     python eval.py --workdir=workdirs/ptb_xl --split=test --segment_length=64 --mem_len=640 \\
         --clamp_len=400 --decoder_mask=same_length
+    python eval.py --workdir=workdirs/ptb_xl --input=my.txt    # words outside the vocabulary
+                                                               # count as <unk> (oov_tokens)
 
-Results are printed as JSON and written to <workdir>/eval_<name>.json.
+Results are printed as JSON and written to <workdir>/eval_<name>.json. An --input, --reference
+or --output that cannot be used (missing, invalid UTF-8, different line counts, symbols a
+character model has no <unk> for) is reported in one line on stderr, naming the file, line and
+column, with exit status 2, before any model is restored.
 
 With --distributed (and the multi-process flags of train.py) every process of a jax.distributed
 job evaluates its share of each batch; process 0 alone prints and writes the files.
@@ -31,30 +42,37 @@ The table is printed as markdown and written to <out>/compare.md and <out>/compa
 plot to <out>/compare.png; <out> is --compare_out, by default the workdirs' common parent.
 """
 
+import contextlib
 import json
 import os
 import sys
 import time
+import zlib
+from collections.abc import Iterator
 
 import jax
 from absl import app, flags, logging
 
 from xformer import compare as compare_lib
+from xformer import config as config_lib
 from xformer import distributed_flags
 from xformer import experiment as experiment_lib
 from xformer.bleu import bleu_report
-from xformer.data.text import read_parallel_files, read_text_lines
+from xformer.data.text import read_input_lines
 from xformer.data.translation import split_text
 from xformer.files import write_json
+from xformer.params_checkpoint import restore_params
 from xformer.tasks import make_task
-from xformer.tasks.language_modeling import EvalSettings
+from xformer.tasks.language_modeling import EvalSettings, encode_text_file
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir.")
 _SPLIT = flags.DEFINE_string("split", None, "Dataset split (default: config.data.test_split).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _BATCH = flags.DEFINE_integer("batch_size", None, "Override config.eval.batch_size.")
+_INPUT = flags.DEFINE_string(
+    "input", None, "Translate (language models: score) this text file instead of a split."
+)
 # Translation
-_INPUT = flags.DEFINE_string("input", None, "Translate this text file instead of a split.")
 _REFERENCE = flags.DEFINE_string("reference", None, "References for --input (optional).")
 _OUTPUT = flags.DEFINE_string("output", None, "Hypotheses file (default: in the workdir).")
 _BEAM = flags.DEFINE_integer("beam_size", None, "Override config.eval.beam_size (1 = greedy).")
@@ -73,7 +91,9 @@ _STRIDE = flags.DEFINE_integer(
 _COMPARE = flags.DEFINE_string("compare", None, "Compare these workdirs (comma-separated, globs).")
 _COMPARE_OUT = flags.DEFINE_string("compare_out", None, "Where --compare writes its files.")
 
-TRANSLATION_FLAGS = {"input": _INPUT, "reference": _REFERENCE, "output": _OUTPUT}
+TRANSLATION_FLAGS = {"reference": _REFERENCE, "output": _OUTPUT}
+INPUT_ERROR_STATUS = 2  # exit status when an input, reference or output file cannot be used
+LOG_EVERY_S = 10.0  # progress lines during evaluation
 OVERRIDES = {
     "encoder_decoder": {"beam_size": _BEAM, "length_penalty": _ALPHA, "batch_size": _BATCH},
     "decoder_only": {
@@ -101,7 +121,7 @@ def main(argv):
     experiment_lib.quiet_library_logs()
     distributed_flags.initialize_if_requested()
     workdir = _WORKDIR.value
-    config = experiment_lib.load_config(workdir)
+    config = with_eval_defaults(experiment_lib.load_config(workdir))
     family = config.model.family
     for other, flag_map in OVERRIDES.items():
         for key, flag in flag_map.items():
@@ -136,37 +156,115 @@ def compare(extra_workdirs: list[str]) -> None:
     print("wrote " + ", ".join(paths.values()))
 
 
-def _restore(task) -> tuple[dict, object]:
-    exp = task.exp
-    state, _ = exp.checkpointer.restore(exp.abstract_state(task.init_carry()), _STEP.value)
-    return state, exp.rng_state
+def with_eval_defaults(config):
+    """The config of a workdir trained before some eval.* keys existed, with their defaults
+    (eval keys change how a model is evaluated, never the model: config.RESUMABLE)."""
+    defaults = config_lib.base_config().eval
+    missing = [key for key in defaults if key not in config.eval]
+    with config.unlocked():
+        for key in missing:
+            config.eval[key] = defaults[key]
+    if missing:
+        logging.info("config.json has no %s: using the defaults", ", ".join(missing))
+    return config
+
+
+@contextlib.contextmanager
+def input_errors() -> Iterator[None]:
+    """Errors reading or checking the user's files (not internal errors): one line on stderr,
+    exit status INPUT_ERROR_STATUS."""
+    try:
+        yield
+    except (ValueError, OSError, EOFError, zlib.error) as e:
+        print(f"eval.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(INPUT_ERROR_STATUS)
+
+
+def _restore(task) -> tuple[object, object, int]:
+    """(parameters, non-parameter state, step) of the checkpoint: parameters only, not the
+    optimizer state."""
+    params, step = restore_params(task.exp, _STEP.value)
+    return params, task.exp.rng_state, step
 
 
 def evaluate_language_model(config, workdir: str) -> dict:
     split = _SPLIT.value or config.data.test_split
+    if _INPUT.value and _SPLIT.value:
+        raise app.UsageError("give --split or --input, not both")
     task = make_task(config, workdir, train_if_missing=False)
-    task.stream(split)  # read and encode before restoring, so bad data fails fast
-    state, rng_state = _restore(task)
+    # Read and encode before restoring, so bad data fails fast.
+    oov = None
+    if _INPUT.value:
+        name = os.path.basename(_INPUT.value)
+        with input_errors():
+            encoded = encode_text_file(task.vocab, _INPUT.value)
+            if not len(encoded.stream):
+                raise ValueError(f"{_INPUT.value}: no tokens to score (an empty file)")
+        stream, oov = encoded.stream, encoded.oov_tokens
+        if oov:
+            logging.warning(
+                "%s: %d of %d tokens are outside the vocabulary and scored as <unk>",
+                _INPUT.value,
+                oov,
+                len(stream),
+            )
+    else:
+        name, stream = split, task.stream(split)
+    params, rng_state, step = _restore(task)
     settings = EvalSettings.from_config(config)
-    result = task.score(state["params"], rng_state, split, settings, log_every_s=30)
-    logging.info("%s at step %d: %s", split, int(state["step"]), task.summary(result))
+    result = task.score_stream(params, rng_state, stream, settings, log_every_s=LOG_EVERY_S)
+    logging.info("%s at step %d: %s", name, step, task.summary(result))
+    extra = {} if oov is None else {"input": _INPUT.value, "oov_tokens": oov}
     return {
-        "name": split,
-        "step": int(state["step"]),
+        "name": name,
+        "step": step,
         "dataset": config.data.dataset,
         "metric": task.corpus.metric,
         **result,
+        **extra,
         **{f"eval_{k}": v for k, v in vars(settings).items()},
     }
+
+
+def read_translation_input() -> tuple[list[str], list[str] | None]:
+    """--input's lines and --reference's (or None), by the line contract of data/text.py;
+    raises ValueError when the line counts differ."""
+    sources = read_input_lines(_INPUT.value)
+    if not _REFERENCE.value:
+        return sources, None
+    references = read_input_lines(_REFERENCE.value)
+    if len(sources) != len(references):
+        raise ValueError(
+            f"Parallel files have different line counts: {_INPUT.value} has {len(sources)} "
+            f"lines, {_REFERENCE.value} has {len(references)} lines."
+        )
+    return sources, references
+
+
+def check_output_writable(path: str) -> None:
+    """Raise OSError before any compute if `path`'s directory cannot be made or written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise PermissionError(f"--output={path}: cannot write a file there")
+
+
+def write_lines(path: str, lines: list[str]) -> None:
+    """One line per item, written to a temporary file and renamed (no half-written file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+    os.replace(tmp, path)
 
 
 def evaluate_translation(config, workdir: str) -> dict:
     # Read every input before compiling anything, so bad files fail fast.
     if _INPUT.value:
-        if _REFERENCE.value:
-            sources, references = read_parallel_files(_INPUT.value, _REFERENCE.value)
-        else:
-            sources, references = read_text_lines(_INPUT.value), None
+        with input_errors():
+            sources, references = read_translation_input()
+            if _OUTPUT.value:
+                check_output_writable(_OUTPUT.value)
         name = os.path.basename(_INPUT.value)
     else:
         if _REFERENCE.value:
@@ -175,31 +273,44 @@ def evaluate_translation(config, workdir: str) -> dict:
         sources, references = split_text(config, name)
 
     task = make_task(config, workdir, train_if_missing=False)
-    state, rng_state = _restore(task)
-    step = int(state["step"])
+    params, rng_state, step = _restore(task)
     start = time.time()
-    hyps = task.translator().translate(state["params"], rng_state, sources, log_every=5)
+    translations = task.translator().translate(params, rng_state, sources, LOG_EVERY_S)
     seconds = time.time() - start
-    assert len(hyps) == len(sources)
+    hyps = translations.lines
+    if len(hyps) != len(sources):
+        raise AssertionError(f"{len(hyps)} translations of {len(sources)} lines")
+    if translations.hit_length_cap:
+        logging.warning(
+            "%d of %d translations stopped at the length cap (padded source length + "
+            "eval.max_decode_extra=%d tokens) instead of at end-of-sentence",
+            translations.hit_length_cap,
+            len(sources) - translations.empty,
+            config.eval.max_decode_extra,
+        )
 
     output = _OUTPUT.value or os.path.join(
         workdir, "translations", f"{name}.step{step}.{config.data.target_lang}"
     )
     if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        with open(output, "w", encoding="utf-8") as f:
-            f.writelines(h + "\n" for h in hyps)
+        write_lines(output, hyps)
         logging.info("wrote %d translations to %s", len(hyps), output)
     result = {
         "name": name,
         "step": step,
         "sentences": len(hyps),
+        "empty_inputs": translations.empty,
+        "truncated_inputs": translations.truncated,
+        "longest_input_tokens": translations.longest_input,
+        "max_input_tokens": translations.input_limit,
+        "stopped_at_length_cap": translations.hit_length_cap,
+        "max_decode_extra": config.eval.max_decode_extra,
         "seconds": round(seconds, 2),
         "beam_size": config.eval.beam_size,
         "length_penalty": config.eval.length_penalty,
         "output": output,
     }
-    if references is not None:
+    if references is not None and hyps:
         result.update(bleu_report(hyps, references, config.data.target_lang).as_dict())
     return result
 

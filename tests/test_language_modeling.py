@@ -216,6 +216,18 @@ def test_train_resume_and_eval_every_token(tmp_path, tfds_dir, ptb):
     assert report["perplexity"] == pytest.approx(math.exp(report["nll"]))
     assert 100 < report["perplexity"] < 10_000  # six steps: far from trained, far from broken
 
+    # A text file: every token scored once, words outside the vocabulary as <unk>, counted.
+    text = tmp_path / "in.txt"
+    lines = ["the company said zzyzx", "", "qwxq shares <unk> fell\r", "no final newline blorp"]
+    text.write_bytes("\n".join(lines).encode())
+    result = run(["eval.py", f"--workdir={tmp_path / 'run'}", f"--input={text}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "eval_in.txt.json").read_text())
+    words = [w for line in lines for w in line.split()]
+    vocab = set((tmp_path / "run" / "vocab" / "ptb.vocab").read_text().split("\n"))
+    assert report["oov_tokens"] == sum(w not in vocab for w in words) == 4  # newline too
+    assert report["tokens"] == len(words) + len(lines)
+
     bad = run(["eval.py", f"--workdir={tmp_path / 'run'}", "--beam_size=2"])
     assert bad.returncode != 0 and "--beam_size is for encoder_decoder" in bad.stderr
 

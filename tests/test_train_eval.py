@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -135,20 +136,46 @@ def test_kill_resume_then_eval(tmp_path, tfds_dir, multi30k_dir):
     seconds = train_metric(workdir, "train_seconds")  # the killed run may have logged past target
     assert 0 < seconds[1] and all(seconds[s] < seconds[s + 1] for s in range(1, target))
 
-    # eval.py on a file with an empty line, odd Unicode and a very long line.
+    # eval.py on a hostile file (BOM, CRLF, no final newline, empty and invisible lines, odd
+    # Unicode, a lone CR, a 5,000-word line, a 20,000-character token): one output line per
+    # input line, the long ones cut to eval.max_input_tokens in small batches (this OOMed).
     src = tmp_path / "in.en"
     lines = [
         "A man rides a bike.",
         "",
         "Zwölf 🚲 — ümlaut ﬁ ligature\u00a0nbsp",
-        " ".join(["dog"] * 300),
+        " ".join(["dog"] * 5000),
+        "\u200b\u202e\x00\t ",
+        "x" * 20_000,
+        "Two\rwomen are\u2028talking.",
+        *[""] * 150,
         "Two women are talking.",
     ]
-    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    src.write_bytes(("\ufeff" + "\r\n".join(lines)).encode("utf-8"))
     out = tmp_path / "out.de"
     result = run(["eval.py", f"--workdir={workdir}", f"--input={src}", f"--output={out}"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len(out.read_text(encoding="utf-8").split("\n")) == len(lines) + 1
+    outputs = out.read_text(encoding="utf-8").split("\n")
+    assert len(outputs) == len(lines) + 1 and outputs[-1] == ""
+    assert [outputs[i] for i in (1, 4, *range(7, 157))] == [""] * 152
+    assert all(outputs[i] for i in (0, 2, 3, 5, 6, 157))
+    report = json.loads(result.stdout)
+    assert report["sentences"] == len(lines) and report["empty_inputs"] == 152
+    assert report["truncated_inputs"] == 2 and report["longest_input_tokens"] > 5000
+    assert "2 of 6 inputs have more than 512 tokens" in result.stderr
+    assert "sentences/s | ETA" in result.stderr
+
+    # Invalid UTF-8: one line naming file, line and column, status 2, before any compute.
+    bad = tmp_path / "bad.en"
+    bad.write_bytes(b"fine\nbad \xff byte\n")
+    result = run(["eval.py", f"--workdir={workdir}", f"--input={bad}", f"--output={out}"])
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"eval.py: error: {bad}: line 2 is not valid UTF-8 (invalid start byte: "
+        "byte(s) b'\\xff' at column 5)"
+    ]
+    assert "Traceback" not in result.stderr and len(outputs) == len(out.read_text().split("\n"))
 
     # eval.py on a whole split reports both BLEU conventions for every sentence.
     result = run(["eval.py", f"--workdir={workdir}", "--split=test_2017_mscoco", "--beam_size=1"])
@@ -199,3 +226,40 @@ def test_checkpoint_from_before_progress_restores(tmp_path):
     checkpointer.save(8, state, data, {"train_seconds": 1.5})
     checkpointer.close()
     assert Checkpointer(str(tmp_path)).progress() == {"train_seconds": 1.5}
+
+
+def test_eval_restores_the_parameters_alone(tmp_path):
+    """restore_params (eval.py's restore: a partial restore that asks for no optimizer state)
+    gives the saved step and parameters, in their shardings; a missing step is named."""
+    from xformer import config as config_lib
+    from xformer import model_config
+    from xformer.experiment import setup
+    from xformer.models import EncoderDecoder
+    from xformer.params_checkpoint import restore_params
+
+    config = config_lib.base_config()
+    config_lib.override(
+        config,
+        {
+            "model.d_model": 16,
+            "model.num_heads": 2,
+            "model.d_ff": 32,
+            "model.num_encoder_layers": 1,
+            "model.num_decoder_layers": 1,
+        },
+    )
+    cfg = model_config.from_config(config.model, src_vocab_size=50, tgt_vocab_size=50)
+    exp = setup(config, str(tmp_path), EncoderDecoder, cfg)
+    state = exp.init_state()
+    state["step"] = state["step"] + 7
+    exp.checkpointer.save(7, state, {"epoch": 1})
+    exp.checkpointer.wait()
+    params, step = restore_params(exp)
+    assert step == 7
+    saved, restored = jax.tree.leaves(state["params"]), jax.tree.leaves(params)
+    assert len(saved) == len(restored) > 5
+    for a, b in zip(saved, restored, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding == a.sharding
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint 3 in .* \(it holds \[7\]\)"):
+        restore_params(exp, 3)

@@ -101,6 +101,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.length_penalty = 0.6  # GNMT alpha
     c.eval.max_decode_extra = 50  # decode at most source length + this many tokens
     c.eval.bleu_sentences = 0  # in-training BLEU on the first N eval sentences (0 = all)
+    # Translation: longer inputs are cut to this many tokens (EOS included; with learned
+    # positions at most model.max_len), translated and counted, never dropped
+    c.eval.max_input_tokens = 512
+    # Translation: a decoding batch holds rows x padded source length <= this many tokens (at
+    # most eval.batch_size rows; long inputs come in small batches, down to one row per shard)
+    c.eval.max_tokens_per_batch = 8192
     # Language modelling: evaluation lengths independent of training (-1 / 0 = as in training)
     c.eval.segment_length = 0  # tokens scored per row per step (0 = data.segment_length)
     c.eval.mem_len = -1  # the paper evaluates with a much longer memory

@@ -1,5 +1,23 @@
-"""Batched translation of text with a trained encoder-decoder (greedy or beam search)."""
+"""Batched translation of text with a trained encoder-decoder (greedy or beam search).
 
+Every input line gets exactly one output line, in input order (``Translator.translate``):
+
+* Lines are normalised first (``text.normalize_line``: control and format characters,
+  whitespace). An empty or whitespace-only line is not decoded: its output is "".
+* An input longer than the model's reach is cut to ``input_limit`` tokens (the last one
+  EOS): ``eval.max_input_tokens``, and with learned positions at most ``model.max_len``. It is
+  translated, never dropped; ``Translations.truncated`` counts such lines.
+* Batches hold rows x padded length <= ``eval.max_tokens_per_batch`` source tokens
+  (``pipeline.budget_batches``), at most ``eval.batch_size`` rows, longest inputs first: long
+  lines come in small batches, so memory stays bounded whatever the input. The rows of a
+  batch depend only on its padded length, so there is one compiled shape per length bucket.
+* Decoding stops at EOS or after the padded source length + ``eval.max_decode_extra`` tokens
+  (with learned positions at most ``model.max_len``); ``Translations.hit_length_cap`` counts
+  outputs that stopped at that cap instead of at EOS.
+* An output never contains a line break (``text.one_line``).
+"""
+
+import dataclasses
 import functools
 import time
 
@@ -10,18 +28,59 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xformer.data.pipeline import bucket_length, pad_rows, sorted_batches
+from xformer import sharding
+from xformer.data.pipeline import budget_batches, pad_rows
+from xformer.data.text import normalize_line, one_line
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from xformer.decoding import ban_tokens, beam_search, greedy_search
 from xformer.models import TransformerConfig
+from xformer.timing import format_duration
+
+
+@dataclasses.dataclass(frozen=True)
+class Translations:
+    """What `Translator.translate` returns: one output per input line, and what happened."""
+
+    lines: list[str]  # in input order; "" for an empty input; no line breaks
+    empty: int  # empty or whitespace-only inputs (not decoded)
+    truncated: int  # inputs longer than input_limit tokens, cut to it
+    longest_input: int  # tokens of the longest input before any cut (EOS included)
+    input_limit: int  # tokens an input is cut to (EOS included)
+    hit_length_cap: int  # outputs that stopped at the decoding cap instead of at EOS
+
+
+class ProgressLog:
+    """Logs "translated n/N sentences | x sentences/s | ETA" after the first batch, then at
+    most every `every_s` seconds (0 = never). The ETA scales the time so far by the source
+    tokens left, since batches come longest first."""
+
+    def __init__(self, sentences: int, tokens: int, every_s: float):
+        self.sentences, self.tokens, self.every_s = sentences, tokens, every_s
+        self.done_sentences = self.done_tokens = 0
+        self.start = time.time()
+        self.last_log: float | None = None
+
+    def update(self, sentences: int, tokens: int) -> None:
+        self.done_sentences += sentences
+        self.done_tokens += tokens
+        now = time.time()
+        if not self.every_s or (self.last_log is not None and now - self.last_log < self.every_s):
+            return
+        self.last_log = now
+        elapsed = max(now - self.start, 1e-9)
+        left = elapsed * (self.tokens - self.done_tokens) / max(self.done_tokens, 1)
+        logging.info(
+            "translated %d/%d sentences | %.1f sentences/s | ETA %s",
+            self.done_sentences,
+            self.sentences,
+            self.done_sentences / elapsed,
+            format_duration(left),
+        )
 
 
 class Translator:
-    """Translates lists of sentences; one output line for every input line, in input order.
-
-    Sentences are sorted by length into fixed-size batches whose length is rounded up to a
-    multiple of 16, so only a few shapes are compiled.
-    """
+    """Translates lists of sentences; one output line for every input line, in input order
+    (the contract in the module docstring)."""
 
     def __init__(
         self,
@@ -35,12 +94,23 @@ class Translator:
         max_decode_extra: int,
         batch_size: int,
         batch_sharding: NamedSharding,
+        max_input_tokens: int,
+        max_tokens_per_batch: int,
     ):
+        if max_input_tokens < 2:
+            raise ValueError(
+                f"eval.max_input_tokens={max_input_tokens} must be >= 2 (a token and EOS)"
+            )
+        if max_tokens_per_batch < 1:
+            raise ValueError(f"eval.max_tokens_per_batch={max_tokens_per_batch} must be >= 1")
         self.src_tok, self.tgt_tok = src_tok, tgt_tok
         self.beam_size, self.alpha = beam_size, length_penalty
         self.max_decode_extra, self.batch_size = max_decode_extra, batch_size
+        self.max_input_tokens, self.max_tokens_per_batch = max_input_tokens, max_tokens_per_batch
         self.batch_sharding = batch_sharding
+        self.row_multiple = sharding.batch_rows(batch_sharding.mesh)
         self.max_positions = model_cfg.max_len if model_cfg.positional == "learned" else None
+        self.input_limit = min(max_input_tokens, self.max_positions or max_input_tokens)
         # The tokens come back on every device: each process reads every row of the batch.
         self._decode = jax.jit(
             functools.partial(self._decode_fn, graphdef),
@@ -61,39 +131,65 @@ class Translator:
         return tokens[:, 0]
 
     def translate(
-        self, params: nnx.State, rng_state: nnx.State, lines: list[str], log_every: int = 0
-    ) -> list[str]:
-        """Translate `lines` with the given model parameters and non-parameter state."""
-        ids = self.src_tok.encode(lines)
-        too_long = [
-            i for i, x in enumerate(ids) if self.max_positions and len(x) > self.max_positions
-        ]
-        if too_long:
-            raise ValueError(
-                f"line {too_long[0] + 1} has {len(ids[too_long[0]])} tokens, more than the learned "
-                f"position table (model.max_len={self.max_positions})"
-            )
-        out: list[str] = [""] * len(lines)
-        batches = sorted_batches([len(x) for x in ids], self.batch_size)
-        start = time.time()
-        for n, batch in enumerate(batches):
-            src_len = bucket_length(max(len(ids[i]) for i in batch))
-            max_len = src_len + self.max_decode_extra
+        self, params: nnx.State, rng_state: nnx.State, lines: list[str], log_every_s: float = 0.0
+    ) -> Translations:
+        """Translate `lines` with the given model parameters and non-parameter state; progress
+        is logged every `log_every_s` seconds (0 = never)."""
+        texts = [normalize_line(line) for line in lines]
+        todo = [i for i, text in enumerate(texts) if text]  # the inputs that are decoded
+        ids = self.src_tok.encode([texts[i] for i in todo])
+        longest = max(map(len, ids), default=0)
+        ids, truncated = self._truncate(ids)
+        lengths = [len(x) for x in ids]
+        out = [""] * len(lines)
+        progress = ProgressLog(len(todo), sum(lengths), log_every_s)
+        hit_cap = 0
+        for batch in budget_batches(
+            lengths,
+            self.batch_size,
+            self.max_tokens_per_batch,
+            self.row_multiple,
+            max_length=self.max_positions,
+        ):
+            max_len = batch.length + self.max_decode_extra
             if self.max_positions:
                 max_len = min(max_len, self.max_positions)
-            src = pad_rows([ids[i] for i in batch], src_len, self.batch_size)
+            src = pad_rows([ids[k] for k in batch.indices], batch.length, batch.rows)
             src = jax.device_put(src, self.batch_sharding)
             tokens = np.asarray(self._decode(params, rng_state, src, max_len))
-            for row, i in enumerate(batch):
-                out[i] = self.tgt_tok.decode(tokens[row]).replace("\n", " ")
-            if log_every and (n + 1) % log_every == 0:
-                done = sum(len(b) for b in batches[: n + 1])
-                rate = done / (time.time() - start)
-                logging.info(
-                    "translated %d/%d sentences, %.1f sent/s, ETA %.0fs",
-                    done,
-                    len(lines),
-                    rate,
-                    (len(lines) - done) / rate,
-                )
-        return out
+            tokens = tokens[: len(batch.indices)]
+            hit_cap += int((~(tokens == EOS_ID).any(axis=1)).sum())
+            for row, k in enumerate(batch.indices):
+                out[todo[k]] = one_line(self.tgt_tok.decode(tokens[row]))
+            progress.update(len(batch.indices), sum(lengths[k] for k in batch.indices))
+        return Translations(
+            lines=out,
+            empty=len(lines) - len(todo),
+            truncated=truncated,
+            longest_input=longest,
+            input_limit=self.input_limit,
+            hit_length_cap=hit_cap,
+        )
+
+    def _truncate(self, ids: list[np.ndarray]) -> tuple[list[np.ndarray], int]:
+        """Inputs cut to input_limit tokens (ending in EOS), and how many were cut; logs a
+        warning that counts them."""
+        limit = self.input_limit
+        long = [k for k, x in enumerate(ids) if len(x) > limit]
+        if not long:
+            return ids, 0
+        logging.warning(
+            "%d of %d inputs have more than %d tokens (eval.max_input_tokens=%d%s; the longest "
+            "has %d): each is cut to its first %d tokens and EOS, and translated",
+            len(long),
+            len(ids),
+            limit,
+            self.max_input_tokens,
+            f", learned positions model.max_len={self.max_positions}" if self.max_positions else "",
+            max(len(ids[k]) for k in long),
+            limit - 1,
+        )
+        cut = list(ids)
+        for k in long:
+            cut[k] = np.concatenate([ids[k][: limit - 1], [EOS_ID]]).astype(np.int32)
+        return cut, len(long)

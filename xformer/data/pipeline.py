@@ -121,6 +121,56 @@ def sorted_batches(lengths: list[int], batch_size: int) -> list[np.ndarray]:
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def source_bucket_length(n: int) -> int:
+    """A decoding batch's padded source length: multiples of 16 up to 128, then of 64, so
+    inputs up to 512 tokens need at most 14 shapes."""
+    return bucket_length(n, 16) if n <= 128 else bucket_length(n, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetBatch:
+    """Input `indices` padded into an array [rows, length] (rows >= len(indices))."""
+
+    indices: np.ndarray
+    rows: int
+    length: int
+
+
+def rows_within_budget(length: int, max_rows: int, max_tokens: int, row_multiple: int) -> int:
+    """Rows of a batch padded to `length`: as many as rows x length <= max_tokens allows, at
+    most max_rows, a multiple of row_multiple and at least row_multiple (one row per shard)."""
+    rows = min(max_rows, max_tokens // length) // row_multiple * row_multiple
+    return max(row_multiple, rows)
+
+
+def budget_batches(
+    lengths: Sequence[int],
+    max_rows: int,
+    max_tokens: int,
+    row_multiple: int = 1,
+    max_length: int | None = None,
+) -> list[BudgetBatch]:
+    """Every index of `lengths` exactly once, longest first, in batches padded to
+    `source_bucket_length` of their longest member (at most max_length, e.g. a learned
+    position table; no length may exceed it), with `rows_within_budget` rows: the rows of a
+    batch depend only on its padded length, so there is one shape per length bucket, and long
+    inputs come in small batches (down to row_multiple rows). max_rows must be a multiple of
+    row_multiple."""
+    if max_rows % row_multiple:
+        raise ValueError(f"max_rows={max_rows} must be a multiple of row_multiple={row_multiple}")
+    if max_length is not None and max(lengths, default=0) > max_length:
+        raise ValueError(f"a length of {max(lengths)} exceeds max_length={max_length}")
+    order = np.argsort(-np.asarray(lengths, np.int64), kind="stable")
+    batches, start = [], 0
+    while start < len(order):
+        length = source_bucket_length(int(lengths[order[start]]))
+        length = min(length, max_length or length)
+        rows = rows_within_budget(length, max_rows, max_tokens, row_multiple)
+        batches.append(BudgetBatch(order[start : start + rows], rows, length))
+        start += rows
+    return batches
+
+
 def pad_rows(rows: list[np.ndarray], length: int, num_rows: int) -> np.ndarray:
     """Right-pad int sequences into an array [num_rows, length] filled with PAD_ID."""
     out = np.full((num_rows, length), PAD_ID, np.int32)

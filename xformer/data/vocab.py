@@ -157,6 +157,14 @@ class WordVocab(SymbolVocab):
 
     encode = encode_lines
 
+    def unknown_tokens(self, lines: Sequence[str]) -> collections.Counter[str]:
+        """{token: occurrences} of the whitespace tokens of ``lines`` outside the vocabulary
+        (``encode_lines`` maps them to ``<unk>``)."""
+        counts: collections.Counter[str] = collections.Counter()
+        for tokens in _token_chunks(lines):
+            counts.update(t for t in tokens if t not in self._ids)
+        return counts
+
     def __repr__(self) -> str:
         return f"WordVocab(size={self.size}, unk={self.unk_id is not None})"
 
@@ -234,6 +242,13 @@ class CharVocab(SymbolVocab):
             char = chr(codes[int(np.argmax(ids < 0))])
             raise ValueError(f"character {char!r} is not in the vocabulary")
         return ids
+
+    def unknown_chars(self, text: str) -> collections.Counter[str]:
+        """{character: occurrences} of the characters of ``text`` outside the vocabulary."""
+        codes = _code_points(text)
+        ids = self._table[np.minimum(codes, len(self._table) - 1)]
+        missing, counts = np.unique(codes[ids < 0], return_counts=True)
+        return collections.Counter({chr(c): int(n) for c, n in zip(missing, counts, strict=True)})
 
     def __repr__(self) -> str:
         return f"CharVocab(size={self.size})"

@@ -2,9 +2,11 @@
 
 Training serves the token stream segment by segment (data/lm_stream.py) and carries the XL
 memory from step to step inside the train state, sharded with the batch. Evaluation scores
-every token of a split once, with its own segment length, memory length and clamp_len.
+every token of a split (or of a user's text file, `encode_text_file`) once, with its own
+segment length, memory length and clamp_len.
 """
 
+import collections
 import dataclasses
 import functools
 import math
@@ -25,7 +27,8 @@ from xformer import experiment as experiment_lib
 from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
 from xformer.data.readers import read_corpus
 from xformer.data.registry import LM_CORPORA
-from xformer.data.vocab import ByteVocab, CharVocab, WordVocab, build_vocab
+from xformer.data.text import BOM, decode_utf8, read_bytes, read_input_lines
+from xformer.data.vocab import ByteVocab, CharVocab, Vocab, WordVocab, build_vocab
 from xformer.dispatch import DispatchWindow
 from xformer.language_model import MEMORY_BATCH_AXES, LanguageModel, reset_memory
 from xformer.masks import MASK_SCHEMES
@@ -58,6 +61,14 @@ class EvalSettings:
             decoder_mask=mask,
             sliding_stride=e.sliding_stride or required,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedText:
+    """A text file as a language model scores it: every token of `stream` once."""
+
+    stream: np.ndarray  # int32 token ids
+    oov_tokens: int  # tokens outside the vocabulary, scored as <unk>
 
 
 def _memory_sharding(mesh) -> dict:
@@ -184,8 +195,20 @@ class LanguageModelingTask:
         log_every_s: float = 0.0,
     ) -> dict:
         """NLL of every token of `split` exactly once; perplexity and bits per token."""
+        return self.score_stream(params, rng_state, self.stream(split), settings, log_every_s)
+
+    def score_stream(
+        self,
+        params,
+        rng_state,
+        stream: np.ndarray,
+        settings: EvalSettings | None = None,
+        log_every_s: float = 0.0,
+    ) -> dict:
+        """NLL of every token of `stream` (int32 ids) exactly once; see `score`."""
+        if not len(stream):
+            raise ValueError("there are no tokens to score")
         s = settings or EvalSettings.from_config(self.config)
-        stream = self.stream(split)
         model_cfg = dataclasses.replace(
             self.exp.model_cfg, clamp_len=s.clamp_len, decoder_mask=s.decoder_mask
         )
@@ -242,6 +265,56 @@ class LanguageModelingTask:
             "seconds": seconds,
             "tokens_per_s": tokens / seconds,
         }
+
+
+def encode_text_file(vocab: Vocab, path: str) -> EncodedText:
+    """A user's text file in the corpus's own format (plain or gzip), as one token stream:
+    word corpora read its lines (the line contract of data/text.py, strict UTF-8) with
+    <eos> after each and map words outside the vocabulary to <unk>, counted; byte corpora
+    read its bytes; character corpora its UTF-8 characters. Raises ValueError naming the
+    file (line and column) when the text is not valid UTF-8, or when it holds symbols
+    outside a vocabulary that has no <unk> (e.g. a character model's alphabet)."""
+    if isinstance(vocab, ByteVocab):
+        return EncodedText(vocab.encode(read_bytes(path)), 0)
+    if isinstance(vocab, WordVocab):
+        lines = read_input_lines(path)
+        unknown = vocab.unknown_tokens(lines)
+        if unknown and vocab.unk_id is None:
+            where = functools.partial(_first_token, lines)
+            raise ValueError(_unknown_symbols(path, unknown, vocab, where))
+        return EncodedText(vocab.encode_lines(lines), sum(unknown.values()))
+    text = decode_utf8(read_bytes(path), path).removeprefix(BOM)
+    unknown = vocab.unknown_chars(text)
+    if unknown:
+        where = functools.partial(_first_char, text)
+        raise ValueError(_unknown_symbols(path, unknown, vocab, where))
+    return EncodedText(vocab.encode(text), 0)
+
+
+def _first_token(lines: list[str], token: str) -> str:
+    for line_no, line in enumerate(lines, 1):
+        tokens = line.split()
+        if token in tokens:
+            return f"line {line_no}, token {tokens.index(token) + 1}"
+    return "nowhere"
+
+
+def _first_char(text: str, char: str) -> str:
+    i = text.index(char)
+    line_no = text.count("\n", 0, i) + 1
+    column = i - text.rfind("\n", 0, i)  # 1-based: rfind is -1 on the first line
+    return f"line {line_no}, column {column}"
+
+
+def _unknown_symbols(path: str, unknown: collections.Counter, vocab, where) -> str:
+    """The error for symbols outside a vocabulary that has no <unk>: the most frequent ones
+    with their counts and first positions (`where(symbol)`)."""
+    shown = [f"{s!r} x{n} (first at {where(s)})" for s, n in unknown.most_common(5)]
+    more = f", and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    return (
+        f"{path}: {sum(unknown.values())} symbols are outside the model's vocabulary of "
+        f"{len(vocab)}, which has no <unk> to score them as: {', '.join(shown)}{more}"
+    )
 
 
 def _boundary_id(vocab) -> int:

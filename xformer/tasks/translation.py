@@ -94,6 +94,8 @@ class TranslationTask:
             max_decode_extra=e.max_decode_extra,
             batch_size=e.batch_size,
             batch_sharding=self.exp.batch_sharding,
+            max_input_tokens=e.max_input_tokens,
+            max_tokens_per_batch=e.max_tokens_per_batch,
         )
 
     def train_batches(self):
@@ -163,6 +165,6 @@ class Evaluator:
 
     def bleu(self, params, rng_state, num_sentences: int = 0) -> tuple[dict, list[str]]:
         n = num_sentences or len(self.src_lines)
-        hyps = self.translator.translate(params, rng_state, self.src_lines[:n])
+        hyps = self.translator.translate(params, rng_state, self.src_lines[:n]).lines
         report = bleu_report(hyps, self.ref_lines[:n], self.target_lang)
         return report.as_dict(), hyps

@@ -1,0 +1,41 @@
+"""Restore only the parameters (and step) of a train-state checkpoint, for evaluation.
+
+A checkpoint's "state" item (checkpoint.Checkpointer) holds the step, the parameters, Adam's
+two moments and any carry; evaluation needs the parameters alone, a third of the bytes. This
+reads the "params" subtree with orbax's partial restore, placed by the experiment's parameter
+shardings (sharding.RULES on the current mesh, whatever mesh wrote the checkpoint).
+"""
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from xformer.experiment import Experiment
+
+
+def restore_params(exp: Experiment, step: int | None = None) -> tuple[nnx.State, int]:
+    """(parameters, step) of checkpoint `step` (default: the latest) in exp.workdir. Raises
+    FileNotFoundError naming the checkpoints there when there is none or not that step."""
+    manager = exp.checkpointer.manager
+    steps = sorted(manager.all_steps())
+    if not steps or (step is not None and step not in steps):
+        wanted = "a checkpoint" if step is None else f"checkpoint {step}"
+        raise FileNotFoundError(f"no {wanted} in {manager.directory} (it holds {steps or 'none'})")
+    step = steps[-1] if step is None else step
+    shardings = exp.state_shardings()
+    abstract = exp.abstract_state()
+    target = {"step": abstract["step"], "params": abstract["params"]}
+    placement = {"step": shardings["step"], "params": shardings["params"]}
+    restore_args = jax.tree.map(
+        lambda x, where: ocp.ArrayRestoreArgs(sharding=where, global_shape=x.shape, dtype=x.dtype),
+        target,
+        placement,
+    )
+    path = os.path.join(os.fspath(manager.directory), str(step), "state")
+    restored = ocp.PyTreeCheckpointer().restore(
+        path,
+        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+    )
+    return restored["params"], int(restored["step"])
