@@ -162,6 +162,27 @@ class MultiHeadAttention(nnx.Module):
         out = dot_product_attention(q, k, v, mask, self.dropout, bias, self.implementation)
         return self.out_proj(out.reshape(*out.shape[:-2], -1))
 
+    def init_cache(self, batch_size: int, max_len: int, dtype: jnp.dtype) -> dict:
+        """An empty key/value cache of max_len slots for `decode_step`: {"k", "v"} [B, H,
+        max_len, D]. Head-major, so that each step's dot reads it in place: with [B, max_len, H,
+        D], XLA on CPU copied the whole cache into the dot's layout at every step."""
+        zeros = jnp.zeros((batch_size, self.num_heads, max_len, self.head_dim), dtype)
+        return {"k": zeros, "v": zeros}
+
+    @staticmethod
+    def cache_slots(cache: dict) -> int:
+        return cache["k"].shape[2]
+
+    @staticmethod
+    def write_cache(cache: dict, k: jax.Array, v: jax.Array, index: int | jax.Array) -> dict:
+        """The cache with keys and values k, v [B, n, H, D] in slots index..index+n-1."""
+        return {
+            name: jax.lax.dynamic_update_slice_in_dim(
+                cache[name], new.swapaxes(1, 2).astype(cache[name].dtype), index, axis=2
+            )
+            for name, new in (("k", k), ("v", v))
+        }
+
     def decode_step(
         self,
         x: jax.Array,
@@ -173,17 +194,16 @@ class MultiHeadAttention(nnx.Module):
     ) -> tuple[jax.Array, dict]:
         """One incremental self-attention step.
 
-        x [B, 1, d] at position `index` (scalar); cache {"k", "v"}: [B, max_len, H, D] keys
-        (rotated, for rotary schemes) and values of earlier positions; mask [B, 1, 1, max_len]
-        hides slots > index; positional is bound to Layout(1, max_len, q_start=index).
+        x [B, n, d] at positions index..index+n-1 (index scalar; n = 1 when decoding token by
+        token); cache (`init_cache`): keys (rotated, for rotary schemes) and values of earlier
+        positions, to which this step's are written; mask [B, 1, n, max_len] hides later slots;
+        positional is bound to Layout(n, max_len, q_start=index).
         """
         q, k, v = self._qkv(x)
         q, k = (positional.scheme.rotate(t, index) for t in (q, k))
-        cache = {
-            "k": jax.lax.dynamic_update_slice_in_dim(cache["k"], k, index, axis=1),
-            "v": jax.lax.dynamic_update_slice_in_dim(cache["v"], v, index, axis=1),
-        }
-        return self._attend(q, cache["k"], cache["v"], mask, positional, layer), cache
+        cache = self.write_cache(cache, k, v, index)
+        keys, values = (cache[name].swapaxes(1, 2) for name in ("k", "v"))  # [B, max_len, H, D]
+        return self._attend(q, keys, values, mask, positional, layer), cache
 
 
 def decode_layout(index: jax.Array, max_len: int) -> Layout:

@@ -10,7 +10,7 @@ from flax import nnx
 from xformer.attention import MultiHeadAttention
 from xformer.dropout import Dropout
 from xformer.linear import Linear
-from xformer.positional.base import BoundScheme
+from xformer.positional.base import BoundScheme, PositionalScheme
 from xformer.sharding import logical
 
 
@@ -102,6 +102,35 @@ class SelfAttentionBlock(nnx.Module):
         attend = functools.partial(self.attn, positional=positional, layer=layer, memory=memory)
         x = self.attn_res(x, lambda h: attend(h, mask))
         return self.ffn_res(x, self.ffn)
+
+    def decode_step(
+        self,
+        x: jax.Array,
+        cache: dict,
+        index: jax.Array,
+        mask: jax.Array,
+        positional: BoundScheme,
+        layer: int,
+    ) -> tuple[jax.Array, dict]:
+        """Incremental __call__: x [B, n, d] at cache slots index..index+n-1, attending over the
+        K cached keys and values (MultiHeadAttention.init_cache) with mask [B or 1, 1, n, K];
+        returns (out [B, n, d], the cache with this step's keys and values written)."""
+        new_cache = {}
+
+        def attend(h):
+            out, new_cache["kv"] = self.attn.decode_step(h, cache, index, mask, positional, layer)
+            return out
+
+        x = self.attn_res(x, attend)
+        return self.ffn_res(x, self.ffn), new_cache["kv"]
+
+    def memory_kv(self, memory: jax.Array, scheme: PositionalScheme) -> dict:
+        """Keys and values {"k", "v"} [B, M, H, D] of this layer's memory states [B, M, d] at
+        positions 0..M-1, as __call__ computes them for the memory part of its keys."""
+        if self.attn_res.pre_norm:
+            memory = self.attn_res.norm(memory)
+        k, v = self.attn.project_kv(memory)
+        return {"k": scheme.rotate(k, 0), "v": v}
 
 
 class DecoderBlock(nnx.Module):

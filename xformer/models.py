@@ -133,16 +133,17 @@ class EncoderDecoder(nnx.Module):
         """Encode src [B, Ls] once and allocate the self-attention cache for max_len steps.
 
         Returns a pytree whose leaves all have leading dim B (so search can reorder beams):
-        "self": per layer {"k", "v"} [B, max_len, H, D]; "cross": per layer (k, v) [B, Ls, H, D];
-        "src_valid" [B, Ls].
+        "self": per layer {"k", "v"} [B, H, max_len, D] (MultiHeadAttention.init_cache);
+        "cross": per layer (k, v) [B, Ls, H, D]; "src_valid" [B, Ls].
         """
         self.tgt_positional.check_length(max_len)
         segments = masks.segments_from_tokens(src)
         encoded = self.encode(src, segments, masks.positions_from_segments(segments))
-        b, heads = src.shape[0], self.cfg.num_heads
-        zeros = jnp.zeros((b, max_len, heads, self.cfg.d_model // heads), encoded.dtype)
+        b = src.shape[0]
         return {
-            "self": [{"k": zeros, "v": zeros} for _ in self.decoder],
+            "self": [
+                layer.self_attn.init_cache(b, max_len, encoded.dtype) for layer in self.decoder
+            ],
             "cross": [layer.cross_attn.project_kv(encoded) for layer in self.decoder],
             "src_valid": segments > 0,
         }
@@ -152,7 +153,7 @@ class EncoderDecoder(nnx.Module):
     ) -> tuple[jax.Array, dict]:
         """tokens [B] at position `index` -> (log-probs [B, V] of the next token, new cache)."""
         b = tokens.shape[0]
-        max_len = cache["self"][0]["k"].shape[1]
+        max_len = self.decoder[0].self_attn.cache_slots(cache["self"][0])
         positions = jnp.full((b, 1), index, jnp.int32)
         x = self._embed(self.tgt_embed, self.tgt_positional, tokens[:, None], positions)
         layout = decode_layout(index, max_len)

@@ -63,6 +63,17 @@ class PositionalScheme(nnx.Module):
         """Added to q.k / sqrt(D): q [B, Lq, H, D], k [B, Lk, H, D] -> [B or 1, H, Lq, Lk]."""
         return None
 
+    def prepare_cached(self, layout: Layout) -> Any:
+        """For incremental decoding over the keys of `layout` (a segment whose last query is its
+        last key, as Layout.with_memory): what `prepare_step` reuses at every step, computed
+        once (default: nothing)."""
+        return None
+
+    def prepare_step(self, cached: Any, layout: Layout) -> Any:
+        """`prepare(layout)` for one decoding step over the same keys (queries at q_start..), from
+        `prepare_cached`'s result where that is cheaper than preparing again."""
+        return self.prepare(layout)
+
     def check_length(self, length: int) -> None:
         """Fail before compute when positions up to `length` cannot be encoded."""
         if self.max_len is not None and length > self.max_len:
@@ -84,6 +95,11 @@ class BoundScheme:
     @classmethod
     def bind(cls, scheme: PositionalScheme, layout: Layout) -> "BoundScheme":
         return cls(scheme, layout, scheme.prepare(layout))
+
+    @classmethod
+    def bind_step(cls, scheme: PositionalScheme, cached: Any, layout: Layout) -> "BoundScheme":
+        """Bound to one decoding step, from `scheme.prepare_cached`'s result `cached`."""
+        return cls(scheme, layout, scheme.prepare_step(cached, layout))
 
     def bias(self, q: jax.Array, k: jax.Array, layer: int) -> jax.Array | None:
         return self.scheme.logit_bias(self.prepared, q, k, self.layout, layer)

@@ -10,7 +10,9 @@ projection per layer, and u, v global biases shared by the layers (or one pair p
 distance) pair and moved to (query, key) layout by `relative_shift`.
 """
 
+import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +49,13 @@ def relative_distances(layout: Layout) -> jax.Array:
     return largest - jnp.arange(width, dtype=jnp.int32)
 
 
+class ProjectedDistances(NamedTuple):
+    """R W_kR of every layer, [num_layers, W, H, D] by distance (largest first): computed once
+    for incremental decoding instead of projecting R at every step."""
+
+    rk: jax.Array
+
+
 class XLRelativePositions(PositionalScheme):
     name = "relative"
     own_options = ("clamp_len", "untie_relative_biases")
@@ -80,10 +89,27 @@ class XLRelativePositions(PositionalScheme):
             distances = jnp.clip(distances, -self.clamp_len, self.clamp_len)
         return self.dropout(sinusoidal_encoding(distances, self.d_model, self.dtype))  # R [W, d]
 
+    def _project(self, r: jax.Array, layer: int) -> jax.Array:
+        """R [W, d] -> R W_kR of `layer`, [W, H, D]."""
+        return self.r_proj[layer](r).reshape(r.shape[0], self.num_heads, self.head_dim)
+
+    def prepare_cached(self, layout: Layout) -> ProjectedDistances:
+        """Every layer's R W_kR for every distance of the segment's queries to its keys
+        (both signs: W = Lk + Lq - 1), which each step then slices."""
+        r = self.prepare(dataclasses.replace(layout, causal=False))
+        return ProjectedDistances(jnp.stack([self._project(r, i) for i in range(len(self.r_proj))]))
+
+    def prepare_step(self, cached: ProjectedDistances, layout: Layout) -> ProjectedDistances:
+        """The Lk distances of the step's relative_shift, largest first: the cached table starts
+        at the segment's largest distance, Lk - 1 - k_start, and the step's is
+        q_start + Lq - 1 - k_start."""
+        first = layout.k_len - layout.q_start - layout.q_len
+        return ProjectedDistances(jax.lax.dynamic_slice_in_dim(cached.rk, first, layout.k_len, 1))
+
     def logit_bias(self, r, q, k, layout, layer):
-        heads = (self.num_heads, self.head_dim)
+        """r: R [W, d] from `prepare`, or the projections of `prepare_step`."""
         u, v = ((p[layer] if self.untied else p[...]).astype(q.dtype) for p in (self.u, self.v))
-        rk = self.r_proj[layer](r).reshape(r.shape[0], *heads)
+        rk = r.rk[layer] if isinstance(r, ProjectedDistances) else self._project(r, layer)
         acc = precision.at_least_float32(q.dtype)  # accumulate as the content logits do
         position = jnp.einsum("bqhd,whd->bhqw", q + v, rk, preferred_element_type=acc)
         content_bias = jnp.einsum("hd,bkhd->bhk", u, k, preferred_element_type=acc)[:, :, None]
