@@ -300,3 +300,21 @@ def test_failed_checkpoint_write_is_one_clear_error(tmp_path):
     assert "File too large" in message and "Is the disk full" in message
     assert restored == "restored {'epoch': 0}"
     assert translation.checkpoint_steps(tmp_path) == [1]
+
+
+def test_a_workdir_from_an_older_version_resumes(tmp_path):
+    """Keys that did not exist when a workdir was written take their defaults: the run resumes
+    and evaluates (config.json from before train.nonfinite, eval.max_input_tokens and the mesh
+    section), while a real change is still refused."""
+    config = config_lib.base_config()
+    stored = json.loads(config.to_json())
+    del stored["train"]["nonfinite"], stored["eval"]["max_input_tokens"], stored["mesh"]
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / experiment_lib.CONFIG_FILE).write_text(json.dumps(stored))
+
+    loaded = experiment_lib.load_config(str(tmp_path))
+    assert config_lib.config_changes(loaded, config) == {}  # (JSON lists equal tuples there)
+    experiment_lib.check_workdir(config, str(tmp_path), accept_changes=False)
+    config.model.d_ff += 1
+    with pytest.raises(ValueError, match="model.d_ff"):
+        experiment_lib.check_workdir(config, str(tmp_path), accept_changes=False)

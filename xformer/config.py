@@ -163,6 +163,27 @@ def with_variant(
     return config
 
 
+def with_defaults(stored: Mapping[str, Any]) -> tuple[ml_collections.ConfigDict, list[str]]:
+    """A workdir's stored config (config.json, perhaps written by an older xformer) with every
+    key of base_config() that it lacks set to its default, and the dotted keys so added. Keys
+    are added with defaults that keep the earlier behaviour, so an older run resumes, evaluates
+    and compares as the run it was."""
+    config = ml_collections.ConfigDict(stored)
+    present = flatten(config)
+    added = [key for key in flatten(base_config()) if key not in present]
+    defaults = base_config()
+    for key in added:
+        node, parts = config, key.split(".")
+        default = defaults
+        for part in parts[:-1]:
+            default = default[part]
+            if part not in node:
+                node[part] = ml_collections.ConfigDict()
+            node = node[part]
+        node[parts[-1]] = default[parts[-1]]
+    return config, added
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"model": {"d_model": 512}} or a ConfigDict -> {"model.d_model": 512} (dotted keys)."""
     out = {}

@@ -186,4 +186,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is {workdir!r} a train.py workdir?")
     with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+        config, added = config_lib.with_defaults(json.load(f))
+    if added:
+        absl_logging.info("%s has no %s: using their defaults", path, ", ".join(added))
+    return config
