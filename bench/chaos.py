@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from absl import logging
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,7 +40,7 @@ TINY = {
     "train.batch_size": 8,
     "train.num_steps": 120,
     "train.checkpoint_every": 7,
-    "train.log_every": 5,
+    "train.log_every": 1,  # every step's own loss (an interval's mean depends on where it began)
     "train.eval_every": 1000,
     "train.max_train_seconds": 0.0,
     "eval.batch_size": 40,
@@ -63,7 +64,7 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen:
 
 
 def result(workdir: Path) -> tuple[dict[str, np.ndarray], dict[int, float]]:
-    """Final parameters and {step: train loss} (the last logged row of each step)."""
+    """Final parameters and {step: that step's train loss} (of the last run that logged it)."""
     params = flatten(read_state(str(workdir), TINY["train.num_steps"])["params"])
     rows = read_jsonl(str(workdir / "metrics.jsonl"))
     return params, {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
@@ -85,6 +86,7 @@ def main() -> None:
     parser.add_argument("--sigterm_share", type=float, default=0.3)
     parser.add_argument("--workdir", default="/tmp/xformer_chaos")
     args = parser.parse_args()
+    logging.set_verbosity(logging.ERROR)  # orbax's metadata warnings of read_state
     root = Path(args.workdir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -120,12 +122,13 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.send_signal(sig)
                 status = proc.wait()
-                kills[sig.name] += 1
                 print(
                     f"episode {episodes}: {sig.name} after {delay:.1f}s -> exit {status}",
                     flush=True,
                 )
-                continue
+                if status != 0:  # (0: the signal came as the finished run was exiting)
+                    kills[sig.name] += 1
+                    continue
             if status != 0:
                 sys.exit(f"episode {episodes}: train.py exited {status} unkilled; see {log}")
             break
