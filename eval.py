@@ -19,6 +19,9 @@ format, once; lengths independent of training):
     python eval.py --workdir=workdirs/ptb_xl --input=my.txt    # words outside the vocabulary
                                                                # count as <unk> (oov_tokens)
 
+--average_last=N evaluates the mean parameters of the last N checkpoints kept (ending at --step;
+average.py writes them as a workdir of their own); its results go to eval_<name>.avgN.json.
+
 Results are printed as JSON and written to <workdir>/eval_<name>.json. An --input, --reference
 or --output that cannot be used (missing, invalid UTF-8, different line counts, symbols a
 character model has no <unk> for) is reported in one line on stderr, naming the file, line and
@@ -54,9 +57,9 @@ import jax
 from absl import app, flags, logging
 
 from xformer import compare as compare_lib
-from xformer import config as config_lib
 from xformer import distributed_flags
 from xformer import experiment as experiment_lib
+from xformer.averaging import average_params, steps_to_average
 from xformer.bleu import bleu_report
 from xformer.data.text import read_input_lines
 from xformer.data.translation import split_text
@@ -68,6 +71,11 @@ from xformer.tasks.language_modeling import EvalSettings, encode_text_file
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir.")
 _SPLIT = flags.DEFINE_string("split", None, "Dataset split (default: config.data.test_split).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_AVERAGE_LAST = flags.DEFINE_integer(
+    "average_last",
+    None,
+    "Evaluate the mean of the parameters of the last N checkpoints kept (ending at --step).",
+)
 _BATCH = flags.DEFINE_integer("batch_size", None, "Override config.eval.batch_size.")
 _INPUT = flags.DEFINE_string(
     "input", None, "Translate (language models: score) this text file instead of a split."
@@ -121,7 +129,7 @@ def main(argv):
     experiment_lib.quiet_library_logs()
     distributed_flags.initialize_if_requested()
     workdir = _WORKDIR.value
-    config = with_eval_defaults(experiment_lib.load_config(workdir))
+    config = experiment_lib.load_config(workdir)
     family = config.model.family
     for other, flag_map in OVERRIDES.items():
         for key, flag in flag_map.items():
@@ -140,7 +148,8 @@ def main(argv):
     else:
         result = evaluate_translation(config, workdir)
     if jax.process_index() == 0:
-        write_json(os.path.join(workdir, f"eval_{result['name']}.json"), result)
+        suffix = f".avg{_AVERAGE_LAST.value}" if _AVERAGE_LAST.value else ""
+        write_json(os.path.join(workdir, f"eval_{result['name']}{suffix}.json"), result)
         print(json.dumps(result, indent=2))
 
 
@@ -156,19 +165,6 @@ def compare(extra_workdirs: list[str]) -> None:
     print("wrote " + ", ".join(paths.values()))
 
 
-def with_eval_defaults(config):
-    """The config of a workdir trained before some eval.* keys existed, with their defaults
-    (eval keys change how a model is evaluated, never the model: config.RESUMABLE)."""
-    defaults = config_lib.base_config().eval
-    missing = [key for key in defaults if key not in config.eval]
-    with config.unlocked():
-        for key in missing:
-            config.eval[key] = defaults[key]
-    if missing:
-        logging.info("config.json has no %s: using the defaults", ", ".join(missing))
-    return config
-
-
 @contextlib.contextmanager
 def input_errors() -> Iterator[None]:
     """Errors reading or checking the user's files (not internal errors): one line on stderr,
@@ -180,11 +176,17 @@ def input_errors() -> Iterator[None]:
         sys.exit(INPUT_ERROR_STATUS)
 
 
-def _restore(task) -> tuple[object, object, int]:
-    """(parameters, non-parameter state, step) of the checkpoint: parameters only, not the
-    optimizer state."""
-    params, step = restore_params(task.exp, _STEP.value)
-    return params, task.exp.rng_state, step
+def _restore(task) -> tuple[object, object, int, dict]:
+    """(parameters, non-parameter state, step, extra result fields) of the checkpoint, or the
+    average of the last --average_last checkpoints: parameters only, not the optimizer state."""
+    if _AVERAGE_LAST.value is None:
+        params, step = restore_params(task.exp, _STEP.value)
+        return params, task.exp.rng_state, step, {}
+    with input_errors():
+        steps = steps_to_average(task.exp, _AVERAGE_LAST.value, _STEP.value)
+    logging.info("averaging the parameters of checkpoints %s", steps)
+    params = average_params(task.exp, steps)
+    return params, task.exp.rng_state, steps[-1], {"averaged_steps": steps}
 
 
 def evaluate_language_model(config, workdir: str) -> dict:
@@ -210,7 +212,7 @@ def evaluate_language_model(config, workdir: str) -> dict:
             )
     else:
         name, stream = split, task.stream(split)
-    params, rng_state, step = _restore(task)
+    params, rng_state, step, averaged = _restore(task)
     settings = EvalSettings.from_config(config)
     result = task.score_stream(params, rng_state, stream, settings, log_every_s=LOG_EVERY_S)
     logging.info("%s at step %d: %s", name, step, task.summary(result))
@@ -220,6 +222,7 @@ def evaluate_language_model(config, workdir: str) -> dict:
         "step": step,
         "dataset": config.data.dataset,
         "metric": task.corpus.metric,
+        **averaged,
         **result,
         **extra,
         **{f"eval_{k}": v for k, v in vars(settings).items()},
@@ -273,7 +276,7 @@ def evaluate_translation(config, workdir: str) -> dict:
         sources, references = split_text(config, name)
 
     task = make_task(config, workdir, train_if_missing=False)
-    params, rng_state, step = _restore(task)
+    params, rng_state, step, averaged = _restore(task)
     start = time.time()
     translations = task.translator().translate(params, rng_state, sources, LOG_EVERY_S)
     seconds = time.time() - start
@@ -289,8 +292,9 @@ def evaluate_translation(config, workdir: str) -> dict:
             config.eval.max_decode_extra,
         )
 
+    suffix = f".avg{len(averaged['averaged_steps'])}" if averaged else ""
     output = _OUTPUT.value or os.path.join(
-        workdir, "translations", f"{name}.step{step}.{config.data.target_lang}"
+        workdir, "translations", f"{name}.step{step}{suffix}.{config.data.target_lang}"
     )
     if jax.process_index() == 0:
         write_lines(output, hyps)
@@ -298,6 +302,7 @@ def evaluate_translation(config, workdir: str) -> dict:
     result = {
         "name": name,
         "step": step,
+        **averaged,
         "sentences": len(hyps),
         "empty_inputs": translations.empty,
         "truncated_inputs": translations.truncated,

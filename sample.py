@@ -32,6 +32,7 @@ from xformer.generate import (
     encode_prompt,
     make_generator,
 )
+from xformer.params_checkpoint import restore_params
 from xformer.tasks import make_task
 from xformer.tasks.language_modeling import EvalSettings
 
@@ -110,7 +111,7 @@ def main(argv):
         )
 
     exp = task.exp
-    state, _ = exp.checkpointer.restore(exp.abstract_state(task.init_carry()), _STEP.value)
+    params, step = restore_params(exp, _STEP.value)
     generator = make_generator(
         exp.graphdef_for(model_cfg),
         sampling,
@@ -119,7 +120,7 @@ def main(argv):
         segment_length=settings.segment_length,
     )
     args = (
-        state["params"],
+        params,
         exp.rng_state,
         np.tile(context, (_NUM_SAMPLES.value, 1)),
         jax.random.key(_SEED.value),
@@ -140,14 +141,14 @@ def main(argv):
         f"generated {_NUM_SAMPLES.value} x {_MAX_NEW.value} tokens in {seconds:.3f} s: "
         f"{generated / seconds:.1f} tokens/s (context {len(context)} tokens, "
         f"{memory if settings.mem_len else 'no memory: key/value cache of every position'}; "
-        f"compiled in {compile_s:.1f} s; step {int(state['step'])})"
+        f"compiled in {compile_s:.1f} s; step {step})"
     )
     if _OUTPUT.value:
         write_json(
             _OUTPUT.value,
             {
                 "workdir": workdir,
-                "step": int(state["step"]),
+                "step": step,
                 "prompt": prompt,
                 "unknown_prompt_words": len(unknown),
                 "samples": samples,

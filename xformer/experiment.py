@@ -21,6 +21,7 @@ from xformer.files import write_json
 from xformer.optim import make_optimizer
 
 CONFIG_FILE = "config.json"
+AVERAGED_FILE = "averaged.json"  # average.py's output: averaged parameters, no optimizer state
 
 
 @dataclasses.dataclass
@@ -169,6 +170,14 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str, accept_change
         os.remove(probe)
     except OSError as e:
         raise ValueError(f"workdir {workdir!r} is not writable: {e}") from None
+    averaged = os.path.join(workdir, AVERAGED_FILE)
+    if os.path.exists(averaged):
+        with open(averaged) as f:
+            source = json.load(f).get("source")
+        raise ValueError(
+            f"{workdir} holds averaged parameters written by average.py, without optimizer "
+            f"state: evaluate it, or continue training in its source workdir {source}"
+        )
     path = os.path.join(workdir, CONFIG_FILE)
     if accept_changes or not has_checkpoint(workdir) or not os.path.exists(path):
         return

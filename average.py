@@ -1,0 +1,64 @@
+"""Write the average of a run's last checkpoints as a new workdir.
+
+    python average.py --workdir=workdirs/multi30k_ende --last=5 --output=workdirs/multi30k_avg5
+    python eval.py --workdir=workdirs/multi30k_avg5 --split=test_2016_flickr
+
+The output workdir holds the source's config.json and vocabulary and one checkpoint, at the
+newest averaged step, with the mean parameters (xformer/averaging.py) and no optimizer state:
+eval.py and sample.py use it like any workdir; train.py refuses to train in it (continue
+training in the source workdir). `eval.py --workdir=<source> --average_last=5` evaluates the
+same parameters without writing them.
+"""
+
+import os
+import shutil
+import sys
+
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+from xformer import experiment as experiment_lib
+from xformer.averaging import average_params, steps_to_average
+from xformer.checkpoint import Checkpointer
+from xformer.files import write_json
+from xformer.tasks import make_task
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir with checkpoints.")
+_LAST = flags.DEFINE_integer("last", None, "Average the last N checkpoints kept.")
+_STEP = flags.DEFINE_integer("step", None, "The newest checkpoint to average (default: latest).")
+_OUTPUT = flags.DEFINE_string("output", None, "The new workdir (must not exist or be empty).")
+flags.mark_flags_as_required(["workdir", "last", "output"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    experiment_lib.quiet_library_logs()
+    source, output = _WORKDIR.value, _OUTPUT.value
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        sys.exit(f"average.py: --output={output} exists and is not an empty directory")
+    config = experiment_lib.load_config(source)
+    task = make_task(config, source, train_if_missing=False)
+    try:
+        steps = steps_to_average(task.exp, _LAST.value, _STEP.value)
+    except ValueError as e:
+        sys.exit(f"average.py: {e}")
+    params = average_params(task.exp, steps)
+
+    os.makedirs(output, exist_ok=True)
+    experiment_lib.save_config(config, output)
+    if not config.data.vocab_dir and os.path.isdir(os.path.join(source, "vocab")):
+        shutil.copytree(os.path.join(source, "vocab"), os.path.join(output, "vocab"))
+    step_dtype = task.exp.abstract_state()["step"].dtype
+    state = {"step": jnp.asarray(steps[-1], step_dtype), "params": params}
+    info = {"source": os.path.abspath(source), "averaged_steps": steps}
+    checkpointer = Checkpointer(output, keep=1)
+    checkpointer.save(steps[-1], state, progress=info)
+    checkpointer.close()
+    write_json(os.path.join(output, experiment_lib.AVERAGED_FILE), info)
+    logging.info("wrote the average of checkpoints %s of %s to %s", steps, source, output)
+    print(f"averaged checkpoints {steps} of {source} into {output}")
+
+
+if __name__ == "__main__":
+    app.run(main)
