@@ -10,6 +10,7 @@ run, its time budget spans resumes, and write failures are one clear error.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -318,3 +319,16 @@ def test_a_workdir_from_an_older_version_resumes(tmp_path):
     config.model.d_ff += 1
     with pytest.raises(ValueError, match="model.d_ff"):
         experiment_lib.check_workdir(config, str(tmp_path), accept_changes=False)
+
+
+@pytest.mark.usefixtures("multi30k_dir")
+def test_validation_passes_do_not_spend_the_time_budget(tmp_path, tfds_dir):
+    """The budget counts the loop's wall time without its validation passes: with passes far
+    slower than this tiny model's steps, the seconds they took exceed the budget spent."""
+    workdir = tmp_path / "run"
+    flags = ["--config.train.num_steps=4", "--config.train.eval_every=2"]
+    done = translation.run(translation.train_cmd(workdir, tfds_dir, *flags))
+    assert done.returncode == 0, done.stderr[-3000:]
+    progress = json.loads((workdir / "checkpoints" / "4" / "progress" / "metadata").read_text())
+    assert progress["eval_seconds"] > progress["budget_seconds"] > 0
+    assert len(re.findall(r"eval \w+ at step [24]:", done.stderr)) == 2

@@ -312,8 +312,11 @@ def train_and_evaluate(
     interval_start = float(progress.get("train_seconds", 0.0))
     clock = TrainClock(interval_start)
     # train.max_train_seconds is a budget for the whole run: the wall time of the loops of every
-    # start so far (up to its last checkpoint) counts, evaluation included.
+    # start so far (up to its last checkpoint) counts, validation passes excluded (a slower
+    # machine's evaluations must not take steps away from its training).
     budget_before = float(progress.get("budget_seconds", progress.get("train_seconds", 0.0)))
+    eval_seconds = float(progress.get("eval_seconds", 0.0))  # validation passes, all starts
+    evaluating = 0.0  # seconds of this start's validation passes
     nonfinite = NonfiniteSteps(t.nonfinite, int(progress.get("nonfinite_steps", 0)), step)
     start_time, start_step, pending, window = time.time(), step, [], DispatchWindow()
     batch, last_metrics, stopped = first, {}, None
@@ -330,7 +333,7 @@ def train_and_evaluate(
             step += 1
             profiler.after_step(step, (state, metrics))
             faults.stall_after_step(step, signals.requested)
-            budget_seconds = budget_before + time.time() - start_time
+            budget_seconds = budget_before + time.time() - start_time - evaluating
             stopped = stop_reason(
                 budget_seconds, t.max_train_seconds, signals.requested(), step, t.log_every
             )
@@ -392,7 +395,8 @@ def train_and_evaluate(
                 with clock.paused():
                     progress = {
                         "train_seconds": clock.seconds(),
-                        "budget_seconds": budget_before + time.time() - start_time,
+                        "budget_seconds": budget_before + time.time() - start_time - evaluating,
+                        "eval_seconds": eval_seconds + evaluating,
                         "nonfinite_steps": nonfinite.total,
                     }
                     exp.checkpointer.save(step, state, data_state, progress)
@@ -405,6 +409,7 @@ def train_and_evaluate(
                     writer.write(step, {**val_row, "train/train_seconds": clock.seconds()})
                     if samples:
                         writer.write_text(step, "samples", samples)
+                    evaluating += time.time() - eval_start
                     logging.info(
                         "eval %s at step %d: %s (%.0fs)",
                         config.data.eval_split,
