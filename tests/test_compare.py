@@ -14,14 +14,19 @@ from xformer import compare
 from xformer.config import base_config, lm_base_config
 
 
-def make_run(directory: Path, config, rows, test=None, num_params=None, done_step=None) -> str:
+def make_run(
+    directory: Path, config, rows, test=None, num_params=None, done_step=None, starts=()
+) -> str:
+    """A workdir; `starts`: (commit, dirty) of each train.py start, recorded in run_info.json."""
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(config.to_json())
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if test is not None:
         (directory / f"eval_{config.data.test_split}.json").write_text(json.dumps(test))
     if num_params is not None:
-        (directory / "run_info.json").write_text(json.dumps({"num_params": num_params}))
+        starts = [{"commit": commit, "dirty": dirty} for commit, dirty in starts]
+        info = {"num_params": num_params, "starts": starts}
+        (directory / "run_info.json").write_text(json.dumps(info))
     if done_step is not None:
         done = {"step": done_step, "reason": "num_steps", "metrics": {}}
         (directory / "done.json").write_text(json.dumps(done))
@@ -64,6 +69,7 @@ def test_translation_best_bleu_is_the_highest(tmp_path):
         test={"step": 200, "sacrebleu": 25.5, "lc_tok_bleu": 40.25},
         num_params=1234,
         done_step=200,
+        starts=[("0123456789abcdef", False), ("fedcba9876543210", True)],
     )
     b = make_run(
         tmp_path / "b",
@@ -88,7 +94,11 @@ def test_translation_best_bleu_is_the_highest(tmp_path):
     assert float(table[1]["train_seconds"]) == pytest.approx(10.0)
     assert table[1]["test_2016_flickr_bleu"] == ""
     markdown = compare.to_markdown(result)
-    assert "| a | 0.0007 | 1,234 | 200 | 20.0s | 100.00 | 30.00 | 150 | 25.50 |" in markdown
+    assert table[0]["commit"] == "01234567->fedcba98+dirty" and table[1]["commit"] == ""
+    row = "| a | 0.0007 | 01234567->fedcba98+dirty | 1,234 | 200 | 20.0s | 100.00 | 30.00 | 150 |"
+    assert row in markdown
+    assert "more than one commit or with uncommitted changes: a" in markdown
+    assert "different commits" not in markdown  # b recorded none
 
     out = tmp_path / "out"
     paths = compare.write(result, str(out))
@@ -156,3 +166,20 @@ def test_expand_globs_commas_and_point_names_with_commas(tmp_path):
         compare.expand([f"{tmp_path}/x*"])
     with pytest.raises(FileNotFoundError, match="is 'nope' a train.py workdir"):
         compare.compare(compare.expand(["nope"]))
+
+
+def test_runs_of_different_commits_are_flagged(tmp_path):
+    runs = [
+        make_run(
+            tmp_path / name,
+            translation_config(),
+            [train_row(50, 5.0)],
+            num_params=1,
+            starts=[(commit, False)],
+        )
+        for name, commit in (("x", "aaaaaaaaaa"), ("y", "aaaaaaaaaa"), ("z", "bbbbbbbbbb"))
+    ]
+    same = compare.compare(runs[:2])
+    assert same.notes == [] and [r[1] for r in same.rows] == ["aaaaaaaa", "aaaaaaaa"]
+    mixed = compare.to_markdown(compare.compare(runs))
+    assert "trained by different commits" in mixed

@@ -332,3 +332,9 @@ def test_validation_passes_do_not_spend_the_time_budget(tmp_path, tfds_dir):
     progress = json.loads((workdir / "checkpoints" / "4" / "progress" / "metadata").read_text())
     assert progress["eval_seconds"] > progress["budget_seconds"] > 0
     assert len(re.findall(r"eval \w+ at step [24]:", done.stderr)) == 2
+
+    # The same run's provenance (tests/test_provenance.py checks the pieces).
+    info = json.loads((workdir / "run_info.json").read_text())
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True)
+    assert info["starts"][0]["commit"] == (head.stdout.decode().strip() or None)
+    assert info["starts"][0]["command"][1] == "train.py" and info["num_params"] > 0

@@ -1,7 +1,8 @@
 """Compare finished runs: one table row per workdir, and the validation curves in one plot.
 
 A row holds the run's name (its workdir's base name), the config values that differ across the
-runs (config.json flattened to dotted keys), the parameter count (run_info.json), the final step,
+runs (config.json flattened to dotted keys), the commit(s) that trained each run and the
+parameter count (run_info.json; a note under the table when the commits differ), the final step,
 the training wall time, the median training tokens/s, the best validation value of the family's
 metric and its step, and the test value from eval.py's eval_<config.data.test_split>.json.
 
@@ -106,6 +107,16 @@ class Run:
             (int(r["step"]), r.get(TRAIN_SECONDS), float(r[key])) for r in self.rows if key in r
         ]
 
+    def commit(self) -> str | None:
+        """The short commit(s) that trained the run, oldest first, "+dirty" when a start had
+        uncommitted changes; None for runs recorded before commits were."""
+        starts = (self.run_info or {}).get("starts", [])
+        commits = list(dict.fromkeys(s.get("commit") for s in starts if "commit" in s))
+        if not commits:
+            return None
+        dirty = "+dirty" if any(s.get("dirty") for s in starts) else ""
+        return "->".join((c or "unknown")[:8] for c in commits) + dirty
+
     def train_seconds(self) -> float | None:
         """The last logged training seconds (None: not logged, e.g. an older workdir)."""
         times = [r[TRAIN_SECONDS] for r in self.rows if TRAIN_SECONDS in r]
@@ -158,6 +169,7 @@ class Comparison:
     metrics: tuple[Metric, ...]
     columns: list[str]
     rows: list[list[Any]]  # raw values, one list per run, in column order (None: unknown)
+    notes: list[str] = dataclasses.field(default_factory=list)  # printed under the table
 
 
 def compare(workdirs: Sequence[str]) -> Comparison:
@@ -186,7 +198,15 @@ def compare(workdirs: Sequence[str]) -> Comparison:
     test_split = {r.config["data.test_split"] for r in runs}
     val = val_split.pop() if len(val_split) == 1 else "val"
     test = test_split.pop() if len(test_split) == 1 else "test"
-    columns = ["run", *differing, "params", "steps", "train_seconds", "median_tokens_per_s"]
+    columns = [
+        "run",
+        *differing,
+        "commit",
+        "params",
+        "steps",
+        "train_seconds",
+        "median_tokens_per_s",
+    ]
     for m in metrics:
         columns += [f"best_{val}_{m.name}", f"best_{val}_{m.name}_step", f"{test}_{m.name}"]
     rows = []
@@ -194,6 +214,7 @@ def compare(workdirs: Sequence[str]) -> Comparison:
         row = [
             name,
             *(run.config.get(k) for k in differing),
+            run.commit(),
             run.run_info["num_params"] if run.run_info else None,
             run.steps(),
             run.train_seconds(),
@@ -209,7 +230,24 @@ def compare(workdirs: Sequence[str]) -> Comparison:
                 run.test.get(m.eval_key) if run.test else None,
             ]
         rows.append(row)
-    return Comparison(runs, names, differing, metrics, columns, rows)
+    return Comparison(runs, names, differing, metrics, columns, rows, commit_notes(runs, names))
+
+
+def commit_notes(runs: Sequence[Run], names: Sequence[str]) -> list[str]:
+    """Warnings when the runs' code differs: several commits, or uncommitted changes."""
+    commits = {n: r.commit() for n, r in zip(names, runs, strict=True)}
+    notes = []
+    if len({c.removesuffix("+dirty") for c in commits.values() if c}) > 1:
+        notes.append(
+            "These runs were trained by different commits (column commit): a difference may "
+            "come from the code, not from the config."
+        )
+    if any(c and ("->" in c or c.endswith("+dirty")) for c in commits.values()):
+        changed = [n for n, c in commits.items() if c and ("->" in c or c.endswith("+dirty"))]
+        notes.append(
+            "Trained by more than one commit or with uncommitted changes: " + ", ".join(changed)
+        )
+    return notes
 
 
 def _cell(value: Any, column: str, config_column: bool) -> str:
@@ -243,6 +281,7 @@ def to_markdown(comparison: Comparison) -> str:
             for v, c in zip(row, comparison.columns, strict=True)
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [f"\n**Note.** {note}" for note in comparison.notes]
     return "\n".join(lines) + "\n"
 
 

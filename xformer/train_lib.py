@@ -14,10 +14,10 @@ from absl import logging
 from flax import nnx
 
 from xformer import config as config_lib
-from xformer import distributed, faults
+from xformer import distributed, faults, provenance
 from xformer import experiment as experiment_lib
 from xformer.dispatch import DispatchWindow
-from xformer.files import write_json
+from xformer.files import read_json_if_present, write_json
 from xformer.optim import learning_rate_schedule
 from xformer.precision import at_least_float32
 from xformer.preemption import StopOnSignal
@@ -279,15 +279,15 @@ def train_and_evaluate(
     rng_state = exp.rng_state
     done_path = os.path.join(workdir, DONE_FILE)
     if jax.process_index() == 0:
-        info = {
-            "num_params": count_params(state["params"]),
-            "devices": jax.device_count(),
-            "processes": jax.process_count(),
-            "platform": jax.devices()[0].platform,
-            "start_step": step,
-            "start_time": time.time(),
-        }
-        write_json(os.path.join(workdir, RUN_INFO_FILE), info)
+        info_path = os.path.join(workdir, RUN_INFO_FILE)
+        info = provenance.with_start(
+            read_json_if_present(info_path),
+            provenance.start_record(step),
+            count_params(state["params"]),
+        )
+        write_json(info_path, info)
+        if len(info["commits"]) > 1:
+            logging.warning("this run was trained by several commits: %s", info["commits"])
         if step < t.num_steps and os.path.exists(done_path):
             os.remove(done_path)  # training further: the old marker is stale
 
