@@ -15,6 +15,13 @@ in <workdir>/<point name>, one after the other, skipping finished points and res
     python train.py --sweep=configs/sweeps/ptb_positional.py --workdir=workdirs/ptb_pos --dry_run
     python train.py --sweep=configs/sweeps/ptb_positional.py --workdir=workdirs/ptb_pos
 
+Several jobs may share a sweep (a job array; README "Sweeps on a cluster"): --point=K runs
+point K alone, and a per-point lock makes a job skip a point another job is running; --list
+prints every point's index and status (done, partial, not started, config changed, running):
+
+    python train.py --sweep=configs/sweeps/ptb_positional.py --workdir=workdirs/ptb_pos --list
+    python train.py --sweep=configs/sweeps/ptb_positional.py --workdir=workdirs/ptb_pos --point=3
+
 Multi-process (one command per process, every one with the same flags; README "Multi-host"):
 
     python train.py --config=... --workdir=<shared storage> --distributed   # SLURM, TPU, GKE
@@ -47,6 +54,12 @@ _SWEEP = flags.DEFINE_string(
     "sweep", None, "A sweep file (instead of --config): run each point in <workdir>/<name>."
 )
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "With --sweep: print the commands, run nothing.")
+_POINT = flags.DEFINE_integer(
+    "point", None, "With --sweep: run only the point of this index (e.g. $SLURM_ARRAY_TASK_ID)."
+)
+_LIST = flags.DEFINE_bool(
+    "list", False, "With --sweep: print each point's index, status and name; run nothing."
+)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -58,13 +71,22 @@ def main(argv):
     if _SWEEP.value is not None:
         if distributed_flags.DISTRIBUTED.value:
             raise app.UsageError("--distributed is for --config runs, not --sweep")
+        if _LIST.value and (_POINT.value is not None or _DRY_RUN.value):
+            raise app.UsageError("--list runs nothing: give it without --point and --dry_run")
         try:
-            sweep_lib.run(sweep_lib.load(_SWEEP.value), _WORKDIR.value, dry_run=_DRY_RUN.value)
+            sweep = sweep_lib.load(_SWEEP.value)
+            if _LIST.value:
+                sweep_lib.list_points(sweep, _WORKDIR.value)
+                return
+            sweep_lib.run(sweep, _WORKDIR.value, dry_run=_DRY_RUN.value, point=_POINT.value)
         except (ValueError, RuntimeError, OSError) as e:  # a bad point or a failed run
             sys.exit(f"sweep {_SWEEP.value}: {e}")
         return
-    if _DRY_RUN.value:
-        raise app.UsageError("--dry_run needs --sweep")
+    for name, given in (("dry_run", _DRY_RUN.value), ("list", _LIST.value)):
+        if given:
+            raise app.UsageError(f"--{name} needs --sweep")
+    if _POINT.value is not None:
+        raise app.UsageError("--point needs --sweep")
     experiment_lib.quiet_library_logs()
     distributed_flags.initialize_if_requested()
     logging.info("devices: %s", jax.devices())

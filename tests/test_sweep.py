@@ -238,12 +238,12 @@ def test_dry_run_prints_the_exact_commands(tmp_path, monkeypatch):
     todo = sweep.run(s, str(root), dry_run=True, echo=lines.append)
     base = tmp_path / "tiny.py"
     assert lines == [
-        f"# sweep of 2 points on {base} in {root}",
-        f"# [1/2] {NAMES[0]}: run",
+        f"# sweep of 2 points (0 to 1) on {base} in {root}",
+        f"# [0] {NAMES[0]}: run",
         f"python train.py --config={base} --config.model.d_model=16 "
         f"'--config.model.adaptive_cutoffs=()' --workdir={root}/{NAMES[0]}",
         f"python eval.py --workdir={root}/{NAMES[0]}",
-        f"# [2/2] {NAMES[1]}: run",
+        f"# [1] {NAMES[1]}: run",
         f"python train.py --config={base} --config.model.d_model=32 "
         f"'--config.model.adaptive_cutoffs=(100,)' --workdir={root}/{NAMES[1]}",
         f"python eval.py --workdir={root}/{NAMES[1]}",
@@ -302,8 +302,8 @@ def test_sweep_skips_finished_points_and_resumes_the_rest(swept, capfd):
     todo = sweep.run(sweep.load(str(path)), str(root), echo=again.append)
     assert todo == {NAMES[0]: [], NAMES[1]: []}
     assert again[1:] == [
-        f"# [1/2] {NAMES[0]}: finished: skip",
-        f"# [2/2] {NAMES[1]}: finished: skip",
+        f"# [0] {NAMES[0]}: finished: skip",
+        f"# [1] {NAMES[1]}: finished: skip",
     ]
     assert {w: _files(w) for w in (a, b)} == before
 
@@ -316,9 +316,9 @@ def test_sweep_skips_finished_points_and_resumes_the_rest(swept, capfd):
     third = []
     todo = sweep.run(sweep.load(str(path)), str(root), echo=third.append)
     assert todo == {NAMES[0]: ["eval"], NAMES[1]: ["train", "eval"]}
-    assert third[1] == f"# [1/2] {NAMES[0]}: trained: eval"
+    assert third[1] == f"# [0] {NAMES[0]}: trained: eval"
     assert third[2] == f"python eval.py --workdir={a}"
-    assert third[3] == f"# [2/2] {NAMES[1]}: run"
+    assert third[3] == f"# [1] {NAMES[1]}: run"
     assert third[4].startswith("python train.py ") and third[4].endswith(f"--workdir={b}")
     assert third[5] == f"python eval.py --workdir={b}"
     assert len(third) == 6
@@ -345,8 +345,12 @@ def test_compare_the_two_runs(swept):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = list(csv.DictReader(io.StringIO((root / "compare.csv").read_text())))
     columns = list(rows[0])
-    assert columns[: columns.index("params")] == ["run", "model.adaptive_cutoffs", "model.d_model"]
+    assert columns[: columns.index("commit")] == ["run", "model.adaptive_cutoffs", "model.d_model"]
     assert [r["run"] for r in rows] == NAMES
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True)
+    assert {r["commit"].removesuffix("+dirty") for r in rows} == {head.stdout.decode()[:8]}
+    for name in NAMES:  # the finished points' HParams sessions
+        assert list((root / name / "tensorboard" / "hparams").glob("events.out.tfevents.*"))
     assert [(r["model.adaptive_cutoffs"], r["model.d_model"]) for r in rows] == [
         ("[]", "16"),
         ("[100]", "32"),
@@ -397,3 +401,164 @@ def test_a_point_trained_with_another_config_is_not_finished(tmp_path):
     other_model.model.d_model, other_model.train.b2 = 256, 0.99
     with pytest.raises(ValueError, match=r"another config \(model.d_model: .* -> 256; train.b2"):
         sweep.remaining(str(tmp_path), other_model)
+
+
+# Sweeps over several jobs: --point, locks, --list; seeds; the HParams dashboard ------------
+
+HOLD_LOCK = """
+import sys, time
+from xformer import locks
+with locks.exclusive(sys.argv[1]) as taken_by:
+    assert taken_by is None
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def hold_lock(path: str) -> subprocess.Popen:
+    """A child process that holds the lock of `path` until killed."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, path], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "locked"
+    return child
+
+
+def test_seeds_repeat_every_point():
+    points = sweep.seeds(sweep.grid("model.positional", ["rope", "alibi"]), [0, 1, 2])
+    assert len(points) == 6
+    assert sweep.point_names(points) == [
+        f"positional={p},seed={s}" for p in ("rope", "alibi") for s in (0, 1, 2)
+    ]
+
+
+def test_point_runs_one_point_and_names_the_valid_range(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    s = sweep.load(str(write_sweep(tmp_path, str(tmp_path / "tfds"))))
+    lines = []
+    todo = sweep.run(s, str(tmp_path / "root"), dry_run=True, echo=lines.append, point=1)
+    assert todo == {NAMES[1]: ["train", "eval"]}
+    assert lines[1] == f"# [1] {NAMES[1]}: run" and len(lines) == 4
+    with pytest.raises(ValueError, match=r"--point=2: this sweep has 2 points, 0 to 1"):
+        sweep.run(s, str(tmp_path / "root"), point=2)
+
+
+def test_a_point_locked_by_another_job_is_skipped_until_that_job_dies(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    s = sweep.load(str(write_sweep(tmp_path, str(tmp_path / "tfds"))))
+    root = str(tmp_path / "root")
+    launched = []
+    monkeypatch.setattr(
+        sweep.launch,
+        "run",
+        lambda cmd, echo: launched.append(cmd) or subprocess.CompletedProcess(cmd, 0),
+    )
+    child = hold_lock(sweep.lock_path(root, NAMES[0]))
+    try:
+        lines = []
+        assert sweep.run(s, root, echo=lines.append) == {NAMES[1]: ["train", "eval"]}
+        assert re.fullmatch(
+            rf"# \[0\] {re.escape(NAMES[0])}: running in another job \(host .*, pid "
+            rf"{child.pid}, since .*\): skip",
+            lines[1],
+        )
+        assert [Path(cmd[1]).name for cmd in launched] == ["train.py", "eval.py"]
+        assert all(f"--workdir={root}/{NAMES[1]}" in cmd for cmd in launched[:1])
+        assert sweep.locks.holder(sweep.lock_path(root, NAMES[0]))["pid"] == child.pid
+    finally:
+        child.kill()  # SIGKILL: the OS frees the lock
+        child.wait()
+    assert sweep.locks.holder(sweep.lock_path(root, NAMES[0])) is None
+    launched.clear()
+    assert sweep.run(s, root, echo=lambda _: None, point=0) == {NAMES[0]: ["train", "eval"]}
+    assert len(launched) == 2 and launched[0][-1] == f"--workdir={root}/{NAMES[0]}"
+
+
+def test_list_prints_each_points_status(tmp_path):
+    base = write_sweep(tmp_path, str(tmp_path / "tfds")).parent / "tiny.py"
+    path = tmp_path / "sweep_seeds.py"
+    path.write_text(
+        f"from xformer import sweep\nBASE = {str(base)!r}\n"
+        "def get_sweep():\n    return sweep.grid('train.seed', [0, 1, 2, 3, 4])\n"
+    )
+    s, root = sweep.load(str(path)), tmp_path / "root"
+    configs = [sweep.point_config(s.base, p) for p in s.points]
+
+    def fabricate(i, checkpoint, config, done=False):
+        workdir = root / s.names[i]
+        (workdir / "checkpoints" / str(checkpoint)).mkdir(parents=True)
+        (workdir / "config.json").write_text(config.to_json())
+        if done:
+            marker = {"step": checkpoint, "reason": "num_steps", "metrics": {}}
+            (workdir / "done.json").write_text(json.dumps(marker))
+            (workdir / "eval_test.json").write_text(json.dumps({"step": checkpoint}))
+
+    fabricate(0, 3, configs[0], done=True)
+    fabricate(1, 2, configs[1])
+    other = configs[3].copy_and_resolve_references()
+    other.model.d_model = 24
+    fabricate(3, 3, other)
+    child = hold_lock(sweep.lock_path(str(root), s.names[4]))
+    try:
+        lines = sweep.list_points(s, str(root), echo=lambda _: None)
+    finally:
+        child.kill()
+        child.wait()
+    states = [line.split("\t") for line in lines]
+    assert [(int(i), name) for i, _, name in states] == list(enumerate(s.names))
+    assert states[0][1] == "done"
+    assert states[1][1] == "partial (step 2 of 3)"
+    assert states[2][1] == "not started"
+    assert states[3][1].startswith("config changed (stored config differs")
+    assert states[4][1].startswith("running (host ") and f"pid {child.pid}," in states[4][1]
+    listed = run(["train.py", f"--sweep={path}", f"--workdir={root}", "--list"])
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert listed.stdout.splitlines()[4].endswith(f"not started\t{s.names[4]}")  # lock freed
+    bad = run(["train.py", f"--sweep={path}", f"--workdir={root}", "--point=5"])
+    assert bad.returncode != 0 and "0 to 4" in bad.stderr
+
+
+def read_events(logdir: Path) -> list:
+    """Every Event in the TFRecord event files of `logdir`."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        while data:
+            length = int.from_bytes(data[:8], "little")
+            events.append(event_pb2.Event.FromString(data[12 : 12 + length]))
+            data = data[12 + length + 4 :]
+    return events
+
+
+def test_a_finished_point_gets_an_hparams_session(tmp_path):
+    from tensorboardX.proto import plugin_hparams_pb2
+
+    config = lm_base_config("ptb")
+    config.train.num_steps = 3
+    workdir = tmp_path / "point"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(config.to_json())
+    (workdir / "metrics.jsonl").write_text("")
+    done = {"step": 3, "reason": "num_steps", "metrics": {"loss": 4.25}}
+    (workdir / "done.json").write_text(json.dumps(done))
+    result = {"step": 3, "perplexity": 123.5, "metric": "perplexity"}
+    (workdir / "eval_test.json").write_text(json.dumps(result))
+    point = {"model.positional": "rope", "train.learning_rate": 0.002, "model.adaptive_cutoffs": ()}
+    sweep.write_hparams(str(workdir), point)
+
+    events = read_events(workdir / "tensorboard" / "hparams")
+    values = {v.tag: v for e in events for v in e.summary.value}
+    start = plugin_hparams_pb2.HParamsPluginData.FromString(
+        values["_hparams_/session_start_info"].metadata.plugin_data.content
+    ).session_start_info
+    assert start.hparams["model.positional"].string_value == "rope"
+    assert start.hparams["train.learning_rate"].number_value == 0.002
+    assert start.hparams["model.adaptive_cutoffs"].string_value == "[]"
+    experiment = plugin_hparams_pb2.HParamsPluginData.FromString(
+        values["_hparams_/experiment"].metadata.plugin_data.content
+    ).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == {"test/perplexity", "train/final_loss"}
+    assert values["test/perplexity"].simple_value == 123.5
+    assert values["train/final_loss"].simple_value == 4.25

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summaries
 
 
 class MetricWriter:
@@ -34,3 +35,19 @@ class MetricWriter:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def write_hparams_summary(logdir: str, hparams: dict, metrics: dict, step: int) -> None:
+    """One session of TensorBoard's HParams dashboard in `logdir`: `hparams` (values that are
+    not bool, int, float or str are written as JSON text) and `metrics` (also written as
+    scalars at `step`, which is where the dashboard reads their values)."""
+    plain = {
+        k: v if isinstance(v, bool | int | float | str) else json.dumps(v)
+        for k, v in hparams.items()
+    }
+    experiment, start, end = hparams_summaries(plain, metrics)
+    with SummaryWriter(logdir) as writer:
+        for summary in (experiment, start, end):
+            writer.file_writer.add_summary(summary)
+        for name, value in metrics.items():
+            writer.add_scalar(name, value, step)

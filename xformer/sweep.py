@@ -46,17 +46,20 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from xformer import compare as compare_lib
 from xformer import experiment as experiment_lib
-from xformer import launch
+from xformer import launch, locks
 from xformer.config import (
     config_changes,
     format_changes,
     same_value,
     unresumable_changes,
     validate,
+    with_defaults,
 )
 from xformer.experiment import CONFIG_FILE
 from xformer.files import read_json_if_present
+from xformer.metric_writer import write_hparams_summary
 from xformer.train_lib import DONE_FILE
 
 REPO = Path(__file__).resolve().parents[1]  # train.py, eval.py and configs/ live here
@@ -108,6 +111,12 @@ def zip_(*axes: Axis) -> list[Point]:
         lengths = [len(points) for points in lists]
         raise ValueError(f"zip_ needs axes of equal length, got lengths {lengths}")
     return [_merge(points) for points in zip(*lists, strict=True)]
+
+
+def seeds(axis: Axis, values: Sequence[int]) -> list[Point]:
+    """Every point of `axis` repeated once per train.seed in `values` (named ...,seed=K), for
+    mean and standard deviation over seeds in `eval.py --compare`."""
+    return product(axis, grid("train.seed", list(values)))
 
 
 # Names and command lines --------------------------------------------------------------------
@@ -241,6 +250,7 @@ def remaining(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
     """
     stored = read_json_if_present(os.path.join(workdir, CONFIG_FILE))
     if stored is not None and experiment_lib.has_checkpoint(workdir):
+        stored, _ = with_defaults(stored)  # keys newer than the workdir take their defaults
         changes = unresumable_changes(stored, config)
         if changes:
             raise ValueError(
@@ -260,45 +270,140 @@ def remaining(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
     return []
 
 
+def lock_path(root: str, name: str) -> str:
+    """The lock file of point `name` (xformer/locks.py), beside the points' workdirs."""
+    return os.path.join(root, ".locks", f"{name}.lock")
+
+
+def select(sweep: Sweep, point: int | None) -> list[str]:
+    """The names of every point, or of point index `point` alone (a job-array index)."""
+    if point is None:
+        return list(sweep.names)
+    if not 0 <= point < len(sweep.names):
+        raise ValueError(
+            f"--point={point}: this sweep has {len(sweep.names)} points, 0 to "
+            f"{len(sweep.names) - 1} (--list prints them)"
+        )
+    return [sweep.names[point]]
+
+
+def _configs(sweep: Sweep, names: Sequence[str]) -> dict[str, ml_collections.ConfigDict]:
+    configs = {}
+    for name in names:
+        try:
+            configs[name] = point_config(sweep.base, sweep.points[sweep.names.index(name)])
+        except ValueError as e:
+            raise ValueError(f"sweep point {name!r}: {e}") from e
+    return configs
+
+
+def status(workdir: str, config: ml_collections.ConfigDict, lock: str) -> str:
+    """A point's state for --list: running (locked, by whom), config changed, done, trained
+    (not evaluated), partial (its last checkpoint's step) or not started."""
+    holder = locks.holder(lock)
+    if holder is not None:
+        return f"running ({locks.describe(holder)})"
+    try:
+        todo = remaining(workdir, config)
+    except ValueError:
+        return "config changed (stored config differs in keys that forbid resuming)"
+    if not todo:
+        return "done"
+    if todo == ["eval"]:
+        return "trained, not evaluated"
+    if experiment_lib.has_checkpoint(workdir):
+        stored = read_json_if_present(os.path.join(workdir, CONFIG_FILE))
+        if stored is not None and config_changes(with_defaults(stored)[0], config):
+            return "config changed (resumable keys: it resumes)"
+        steps = [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]
+        return f"partial (step {max(steps)} of {config.train.num_steps})"
+    return "not started"
+
+
+def list_points(sweep: Sweep, root: str, echo: Callable[[str], None] | None = None) -> list[str]:
+    """Print (and return) one line per point: index, status and name. Runs nothing."""
+    echo = echo or launch.print_now
+    configs = _configs(sweep, sweep.names)
+    lines = []
+    for i, name in enumerate(sweep.names):
+        state = status(sweep.workdir(root, name), configs[name], lock_path(root, name))
+        lines.append(f"{i}\t{state}\t{name}")
+        echo(lines[-1])
+    return lines
+
+
+def write_hparams(workdir: str, point: Point) -> None:
+    """The finished point's entry in TensorBoard's HParams dashboard (its overrides and final
+    metrics) under <workdir>/tensorboard/hparams, once."""
+    logdir = os.path.join(workdir, "tensorboard", "hparams")
+    if os.path.isdir(logdir):
+        return
+    run = compare_lib.Run.load(workdir)
+    metrics = {}
+    for m in run.metrics():
+        if run.test is not None and run.test.get(m.eval_key) is not None:
+            metrics[f"test/{m.name}"] = float(run.test[m.eval_key])
+    final = (run.done or {}).get("metrics", {})
+    if "loss" in final:
+        metrics["train/final_loss"] = float(final["loss"])
+    write_hparams_summary(logdir, point, metrics, run.steps() or 0)
+
+
 def run(
     sweep: Sweep,
     root: str,
     dry_run: bool = False,
     echo: Callable[[str], None] | None = None,
+    point: int | None = None,
 ) -> dict[str, list[str]]:
-    """Validate every point, then run what each still needs, one point after the other.
+    """Validate the points, then run what each still needs, one point after the other.
 
-    Returns {name: steps run (or, with dry_run, to run): [], ["eval"] or ["train", "eval"]}.
-    A dry run prints every point's exact command lines and runs nothing. A failing command
-    stops its point; the other points still run, and RuntimeError names the failures at the end.
+    `point`: only that index (a job-array task). Returns {name: steps run (or, with dry_run, to
+    run): [], ["eval"] or ["train", "eval"]}; a point that another job holds (its lock file) is
+    skipped and left out. A dry run prints every point's exact command lines and runs nothing.
+    A failing command stops its point; the other points still run, and RuntimeError names the
+    failures at the end.
     """
     echo = echo or launch.print_now
-    configs = {}
-    for name, point in zip(sweep.names, sweep.points, strict=True):
-        try:
-            configs[name] = point_config(sweep.base, point)
-        except ValueError as e:
-            raise ValueError(f"sweep point {name!r}: {e}") from e
-    echo(f"# sweep of {len(sweep.points)} points on {sweep.base} in {root}")
+    names = select(sweep, point)
+    configs = _configs(sweep, names)
+    count = len(sweep.points)
+    echo(f"# sweep of {count} points (0 to {count - 1}) on {sweep.base} in {root}")
     todo, failed = {}, []
-    for name in sweep.names:  # every point's stored run checked before anything runs
+    for name in names:  # every point's stored run checked before anything runs
         try:
             todo[name] = remaining(sweep.workdir(root, name), configs[name])
         except ValueError as e:
             raise ValueError(f"sweep point {name!r}: {e}") from e
-    for i, name in enumerate(sweep.names, 1):
+    for name in names:
+        i = sweep.names.index(name)
         train, evaluate = commands(sweep, root, name)
-        status = {0: "finished: skip", 1: "trained: eval", 2: "run"}[len(todo[name])]
-        echo(f"# [{i}/{len(sweep.names)}] {name}: {status}")
+        label = f"# [{i}] {name}"
         if dry_run:
+            echo(
+                f"{label}: {({0: 'finished: skip', 1: 'trained: eval', 2: 'run'})[len(todo[name])]}"
+            )
             echo(shlex.join(train))
             echo(shlex.join(evaluate))
             continue
-        for cmd in (train, evaluate)[2 - len(todo[name]) :]:
-            returncode = launch.run(cmd, echo=echo).returncode
-            if returncode:
-                failed.append(f"{name} ({Path(cmd[1]).name} exited with {returncode})")
-                break
+        with locks.exclusive(lock_path(root, name)) as taken_by:
+            if taken_by is not None:
+                echo(f"{label}: running in another job ({locks.describe(taken_by)}): skip")
+                del todo[name]
+                continue
+            # Checked again under the lock: another job may have finished it meanwhile.
+            todo[name] = remaining(sweep.workdir(root, name), configs[name])
+            echo(
+                f"{label}: {({0: 'finished: skip', 1: 'trained: eval', 2: 'run'})[len(todo[name])]}"
+            )
+            for cmd in (train, evaluate)[2 - len(todo[name]) :]:
+                returncode = launch.run(cmd, echo=echo).returncode
+                if returncode:
+                    failed.append(f"{name} ({Path(cmd[1]).name} exited with {returncode})")
+                    break
+            else:
+                if not remaining(sweep.workdir(root, name), configs[name]):
+                    write_hparams(sweep.workdir(root, name), sweep.points[i])
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(sweep.names)} sweep points failed: {failed}")
+        raise RuntimeError(f"{len(failed)} of {len(names)} sweep points failed: {failed}")
     return todo

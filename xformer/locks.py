@@ -1,0 +1,68 @@
+"""Exclusive per-point locks for sweeps run by several jobs at once (e.g. a SLURM job array).
+
+A lock is an advisory flock(2) on a file: the OS releases it when its holder exits, however it
+dies (kill -9 included), so there is never a stale lock to clean up. The holder writes its host,
+pid and start time into the file for whoever finds the lock taken. On a shared filesystem the
+jobs of other hosts see the lock only where flock works across hosts (local disks, NFSv4,
+Lustre mounted with -o flock, GPFS); elsewhere two jobs could run the same point.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+
+def _try_lock(path: str) -> int | None:
+    """An open descriptor holding the exclusive lock of `path`, or None if another holds it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def holder(path: str) -> dict | None:
+    """Who holds the lock of `path` ({"host", "pid", "since"}), or None when it is free. (It
+    probes by taking and at once releasing the lock: a job starting in that instant would find
+    the point taken and skip it.)"""
+    if not os.path.exists(path):
+        return None
+    fd = _try_lock(path)
+    if fd is not None:
+        os.close(fd)  # closing releases it
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):  # taken, but its holder has not written itself yet
+        return {"host": "?", "pid": "?", "since": None}
+
+
+def describe(info: dict) -> str:
+    since = info.get("since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
+    return f"host {info.get('host')}, pid {info.get('pid')}, since {when}"
+
+
+@contextlib.contextmanager
+def exclusive(path: str) -> Iterator[dict | None]:
+    """Hold the lock of `path` for the block: yields None when this process holds it, or the
+    other holder's info when it is taken (the block must then leave the point alone)."""
+    fd = _try_lock(path)
+    if fd is None:
+        yield holder(path) or {"host": "?", "pid": "?", "since": None}
+        return
+    try:
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(info).encode())
+        yield None
+    finally:
+        os.close(fd)
