@@ -8,6 +8,7 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from xformer import compare
@@ -183,3 +184,43 @@ def test_runs_of_different_commits_are_flagged(tmp_path):
     assert same.notes == [] and [r[1] for r in same.rows] == ["aaaaaaaa", "aaaaaaaa"]
     mixed = compare.to_markdown(compare.compare(runs))
     assert "trained by different commits" in mixed
+
+
+def test_runs_that_differ_only_by_seed_are_grouped(tmp_path):
+    """Mean and sample standard deviation over seeds per configuration; "≈" marks a mean
+    within the larger standard deviation of the best one's."""
+    scores = {1e-3: [29.5, 31.0, 32.5, 30.25], 2e-3: [30.2, 29.8], 3e-3: [20.0]}
+    workdirs = []
+    for lr, values in scores.items():
+        for seed, value in enumerate(values):
+            c = translation_config(learning_rate=lr, seed=seed)
+            rows = [train_row(50, 5.0), val_row(50, 5.0, bleu=value - 1, lc_tok_bleu=value)]
+            test = {"step": 50, "sacrebleu": value, "lc_tok_bleu": value + 1}
+            workdirs.append(make_run(tmp_path / f"lr{lr}_s{seed}", c, rows, test=test))
+    result = compare.compare(workdirs)
+    assert result.differing == ["train.learning_rate", "train.seed"]
+    groups = compare.seed_groups(result)
+    assert [g.config for g in groups] == [{"train.learning_rate": lr} for lr in scores]
+    column = "test_2016_flickr_bleu"
+    for g, values in zip(groups, scores.values(), strict=True):
+        mean, std, n = g.stats[column]
+        assert mean == pytest.approx(np.mean(values)) and n == len(values)
+        if n > 1:
+            assert std == pytest.approx(np.std(values, ddof=1))
+        else:
+            assert std is None
+    # 1e-3: 30.81 +- 1.28 is the best; 2e-3: 30.0 +- 0.28 differs by 0.81 < 1.28; 3e-3: n=1.
+    assert [g.best[column] for g in groups] == [True, False, False]
+    assert [g.within_noise[column] for g in groups] == [False, True, False]
+    assert groups[1].within_noise["best_val_bleu"]  # the same values, shifted by 1
+
+    markdown = compare.to_markdown(result)
+    assert "### Over seeds" in markdown
+    assert "| 0.001 | 4 | " in markdown and "30.81 ± 1.28 (n=4) best" in markdown
+    assert "30.00 ± 0.28 (n=2) ≈" in markdown and "20.00 (n=1) |" in markdown
+    paths = compare.write(result, str(tmp_path / "out"))
+    table = list(csv.DictReader(io.StringIO(Path(paths["seeds_csv"]).read_text())))
+    assert table[1]["runs"] == "lr0.002_s0;lr0.002_s1"
+    assert float(table[1][f"{column}_std"]) == pytest.approx(np.std([30.2, 29.8], ddof=1))
+    assert table[1][f"{column}_within_noise_of_best"] == "True"
+    assert "seeds_csv" not in compare.write(compare.compare(workdirs[:1]), str(tmp_path / "one"))

@@ -170,6 +170,20 @@ class Comparison:
     columns: list[str]
     rows: list[list[Any]]  # raw values, one list per run, in column order (None: unknown)
     notes: list[str] = dataclasses.field(default_factory=list)  # printed under the table
+    metric_columns: dict[str, Metric] = dataclasses.field(default_factory=dict)  # value columns
+
+
+@dataclasses.dataclass
+class SeedGroup:
+    """Runs whose configs differ only in train.seed: each metric column's mean, sample
+    standard deviation (None for one seed) and seed count, and whether the mean is within seed
+    noise of the best group's (|difference| < the larger of the two standard deviations)."""
+
+    config: dict[str, Any]  # the group's values of the differing keys other than train.seed
+    names: list[str]
+    stats: dict[str, tuple[float, float | None, int]]  # column -> (mean, std, n)
+    best: dict[str, bool] = dataclasses.field(default_factory=dict)
+    within_noise: dict[str, bool] = dataclasses.field(default_factory=dict)
 
 
 def compare(workdirs: Sequence[str]) -> Comparison:
@@ -209,6 +223,9 @@ def compare(workdirs: Sequence[str]) -> Comparison:
     ]
     for m in metrics:
         columns += [f"best_{val}_{m.name}", f"best_{val}_{m.name}_step", f"{test}_{m.name}"]
+    metric_columns = {}
+    for m in metrics:
+        metric_columns[f"best_{val}_{m.name}"] = metric_columns[f"{test}_{m.name}"] = m
     rows = []
     for name, run in zip(names, runs, strict=True):
         row = [
@@ -230,7 +247,93 @@ def compare(workdirs: Sequence[str]) -> Comparison:
                 run.test.get(m.eval_key) if run.test else None,
             ]
         rows.append(row)
-    return Comparison(runs, names, differing, metrics, columns, rows, commit_notes(runs, names))
+    notes = commit_notes(runs, names)
+    return Comparison(runs, names, differing, metrics, columns, rows, notes, metric_columns)
+
+
+SEED_KEY = "train.seed"
+
+
+def seed_groups(comparison: Comparison) -> list[SeedGroup]:
+    """The runs grouped by their config apart from train.seed ([] when no seeds differ), in
+    order of first appearance, with the statistics of SeedGroup."""
+    if SEED_KEY not in comparison.differing:
+        return []
+    keys = [k for k in comparison.differing if k != SEED_KEY]
+    index = {c: i for i, c in enumerate(comparison.columns)}
+    grouped: dict[str, list[int]] = {}
+    for i, row in enumerate(comparison.rows):
+        grouped.setdefault(json.dumps([row[index[k]] for k in keys], default=str), []).append(i)
+    groups = []
+    for members in grouped.values():
+        stats = {}
+        for column in comparison.metric_columns:
+            values = [comparison.rows[i][index[column]] for i in members]
+            values = [float(v) for v in values if v is not None]
+            if values:
+                std = statistics.stdev(values) if len(values) > 1 else None
+                stats[column] = (statistics.fmean(values), std, len(values))
+        first = comparison.rows[members[0]]
+        config = {k: first[index[k]] for k in keys}
+        groups.append(SeedGroup(config, [comparison.names[i] for i in members], stats))
+    for column, metric in comparison.metric_columns.items():
+        scored = [g for g in groups if column in g.stats]
+        if not scored:
+            continue
+        pick = max if metric.higher_is_better else min
+        top = pick(scored, key=lambda g: g.stats[column][0])
+        for g in scored:
+            g.best[column] = g is top
+            (mean, std, _), (top_mean, top_std, _) = g.stats[column], top.stats[column]
+            noise = [x for x in (std, top_std) if x is not None]
+            g.within_noise[column] = (
+                g is not top and len(noise) == 2 and abs(mean - top_mean) < max(noise)
+            )
+    return groups
+
+
+def _stat_cell(group: SeedGroup, column: str) -> str:
+    if column not in group.stats:
+        return ""
+    mean, std, n = group.stats[column]
+    cell = f"{mean:.2f}" if std is None else f"{mean:.2f} ± {std:.2f}"
+    cell += f" (n={n})"
+    if group.best.get(column):
+        cell += " best"
+    elif group.within_noise.get(column):
+        cell += " ≈"
+    return cell
+
+
+def seeds_to_markdown(groups: list[SeedGroup], columns: Sequence[str]) -> str:
+    keys = list(groups[0].config)
+    header = [*keys, "runs", *(c.replace("_", " ") for c in columns)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for g in groups:
+        cells = [*(str(g.config[k]) for k in keys), str(len(g.names))]
+        cells += [_stat_cell(g, c) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(
+        "\nMean ± sample standard deviation over seeds (n = the seeds with a value). best: the "
+        "best mean of the column; ≈: within seed noise of it, i.e. the two means differ by "
+        "less than the larger of their two standard deviations (needs n ≥ 2 in both)."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def seeds_to_csv(groups: list[SeedGroup], columns: Sequence[str]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    keys = list(groups[0].config)
+    stat_names = ("mean", "std", "n", "best", "within_noise_of_best")
+    writer.writerow([*keys, "runs", *(f"{c}_{s}" for c in columns for s in stat_names)])
+    for g in groups:
+        row = [*(g.config[k] for k in keys), ";".join(g.names)]
+        for c in columns:
+            mean, std, n = g.stats.get(c, (None, None, None))
+            row += [mean, std, n, g.best.get(c), g.within_noise.get(c)]
+        writer.writerow(["" if v is None else v for v in row])
+    return out.getvalue()
 
 
 def commit_notes(runs: Sequence[Run], names: Sequence[str]) -> list[str]:
@@ -282,6 +385,14 @@ def to_markdown(comparison: Comparison) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"\n**Note.** {note}" for note in comparison.notes]
+    groups = seed_groups(comparison)
+    if groups:
+        lines += [
+            "",
+            "### Over seeds",
+            "",
+            seeds_to_markdown(groups, list(comparison.metric_columns)),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -329,13 +440,19 @@ def plot(comparison: Comparison, path: str) -> None:
 
 
 def write(comparison: Comparison, out_dir: str) -> dict[str, str]:
-    """Write compare.md, compare.csv and compare.png into `out_dir`; returns their paths."""
+    """Write compare.md, compare.csv, compare.png and, when seeds differ, compare_seeds.csv
+    into `out_dir`; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {ext: os.path.join(out_dir, f"compare.{ext}") for ext in ("md", "csv", "png")}
     with open(paths["md"], "w") as f:
         f.write(to_markdown(comparison))
     with open(paths["csv"], "w", newline="") as f:
         f.write(to_csv(comparison))
+    groups = seed_groups(comparison)
+    if groups:
+        paths["seeds_csv"] = os.path.join(out_dir, "compare_seeds.csv")
+        with open(paths["seeds_csv"], "w", newline="") as f:
+            f.write(seeds_to_csv(groups, list(comparison.metric_columns)))
     plot(comparison, paths["png"])
     return paths
 
