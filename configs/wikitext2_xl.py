@@ -6,7 +6,8 @@
         --decoder_mask=same_length
 
 Frequent words (the first 2,000 ids) share the head softmax; rarer words sit in two tail
-clusters with 4x and 16x smaller embeddings (div_val 4). Trains for at most 60 minutes.
+clusters with 4x and 16x smaller embeddings (div_val 4). Trains for 5,000 steps (its time on
+the 2-core CPU is not measured yet).
 """
 
 from xformer.config import lm_base_config
@@ -33,7 +34,7 @@ def get_config():
 
     c.train.batch_size = 32
     c.train.num_steps = 5000
-    c.train.max_train_seconds = 3600.0
+    c.train.max_train_seconds = 0.0  # no time limit (set one as a guard)
     c.train.learning_rate = 1e-3
     c.train.warmup_steps = 400
 
