@@ -43,6 +43,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from matmul_ceiling import matmul_gflops  # noqa: E402
 
+from xformer.files import write_json  # noqa: E402
 from xformer.generate import Sampling, make_generator  # noqa: E402
 from xformer.language_model import LanguageModel  # noqa: E402
 from xformer.model_config import from_config  # noqa: E402
@@ -209,8 +210,7 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     output = os.path.join(ROOT, args.output)
     os.makedirs(os.path.dirname(output), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump(summary, f, indent=2)
+    write_json(output, summary)
 
 
 if __name__ == "__main__":

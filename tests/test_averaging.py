@@ -6,31 +6,10 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_train_eval import run, train_cmd
+from test_train_eval import run, tiny_experiment, train_cmd
 
-from xformer import config as config_lib
-from xformer import model_config
 from xformer.averaging import average_params, steps_to_average
 from xformer.checkpoint import read_state
-from xformer.experiment import setup
-from xformer.models import EncoderDecoder
-
-
-def tiny_experiment(workdir, keep: int):
-    config = config_lib.base_config()
-    config_lib.override(
-        config,
-        {
-            "model.d_model": 16,
-            "model.num_heads": 2,
-            "model.d_ff": 32,
-            "model.num_encoder_layers": 1,
-            "model.num_decoder_layers": 1,
-            "train.keep_checkpoints": keep,
-        },
-    )
-    cfg = model_config.from_config(config.model, src_vocab_size=50, tgt_vocab_size=50)
-    return setup(config, str(workdir), EncoderDecoder, cfg)
 
 
 def flat(tree) -> dict[str, np.ndarray]:
@@ -46,7 +25,7 @@ def flat(tree) -> dict[str, np.ndarray]:
 @pytest.fixture
 def saved(tmp_path):
     """An experiment with checkpoints 3, 6, 9, 12 of fresh random parameters."""
-    exp = tiny_experiment(tmp_path, keep=4)
+    exp = tiny_experiment(tmp_path, keep_checkpoints=4)
     state = exp.init_state()
     rng = np.random.default_rng(0)
     for step in (3, 6, 9, 12):

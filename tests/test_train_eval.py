@@ -228,14 +228,13 @@ def test_checkpoint_from_before_progress_restores(tmp_path):
     assert Checkpointer(str(tmp_path)).progress() == {"train_seconds": 1.5}
 
 
-def test_eval_restores_the_parameters_alone(tmp_path):
-    """restore_params (eval.py's restore: a partial restore that asks for no optimizer state)
-    gives the saved step and parameters, in their shardings; a missing step is named."""
+def tiny_experiment(workdir, keep_checkpoints: int = 2):
+    """A one-layer translation Experiment over 50-token vocabularies, checkpointing in
+    `workdir` (no data, no training)."""
     from xformer import config as config_lib
     from xformer import model_config
     from xformer.experiment import setup
     from xformer.models import EncoderDecoder
-    from xformer.params_checkpoint import restore_params
 
     config = config_lib.base_config()
     config_lib.override(
@@ -246,10 +245,19 @@ def test_eval_restores_the_parameters_alone(tmp_path):
             "model.d_ff": 32,
             "model.num_encoder_layers": 1,
             "model.num_decoder_layers": 1,
+            "train.keep_checkpoints": keep_checkpoints,
         },
     )
     cfg = model_config.from_config(config.model, src_vocab_size=50, tgt_vocab_size=50)
-    exp = setup(config, str(tmp_path), EncoderDecoder, cfg)
+    return setup(config, str(workdir), EncoderDecoder, cfg)
+
+
+def test_eval_restores_the_parameters_alone(tmp_path):
+    """restore_params (eval.py's restore: a partial restore that asks for no optimizer state)
+    gives the saved step and parameters, in their shardings; a missing step is named."""
+    from xformer.params_checkpoint import restore_params
+
+    exp = tiny_experiment(tmp_path)
     state = exp.init_state()
     state["step"] = state["step"] + 7
     exp.checkpointer.save(7, state, {"epoch": 1})
