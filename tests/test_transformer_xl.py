@@ -241,4 +241,6 @@ def test_adaptive_capacity_reaches_the_loss_and_changes_no_value():
         got, grads = loss_and_grads(sparse)
         np.testing.assert_allclose(got, expected, rtol=1e-5)
         for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
-            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
+            # float32 sums in another order: errors relative to the tensor's scale (a random
+            # draw once gave 1.1e-6 at an entry of 7e-4 beside entries of 0.15)
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5 * np.abs(e).max())
