@@ -39,7 +39,6 @@ import functools
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -53,6 +52,7 @@ sys.path.insert(0, ROOT)
 from xformer.data.lm_stream import eval_segments, sliding_windows  # noqa: E402
 from xformer.language_model import LanguageModel  # noqa: E402
 from xformer.model_config import from_config  # noqa: E402
+from xformer.provenance import machine_string  # noqa: E402
 from xformer.tasks.language_modeling import eval_step  # noqa: E402
 
 PAPER_SPEEDUP = {3800: 1874, 2800: 1409, 1800: 773, 800: 363}  # Dai et al. (2019), Table 9
@@ -182,18 +182,6 @@ def measure(length: int, args, xl_base, vanilla_model, stream, boundary_id) -> d
     }
 
 
-def device_string() -> str:
-    dev = jax.devices()[0]
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    return f"{dev.platform}:{dev.device_kind} x{jax.device_count()} | {cpu}, {os.cpu_count()} cores"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="128,512,800", help="attention lengths A")
@@ -263,7 +251,7 @@ def main() -> None:
         "tokens": source,
         "batch_size": args.batch_size,
         "repeats": args.repeats,
-        "device": device_string(),
+        "device": machine_string(),
         "jax": jax.__version__,
         "command": " ".join(["python", "bench/eval_speed.py", *sys.argv[1:]]),
     }

@@ -29,7 +29,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from xformer.files import write_json  # noqa: E402
 from xformer.generate import Sampling, make_generator  # noqa: E402
 from xformer.language_model import LanguageModel  # noqa: E402
 from xformer.model_config import from_config  # noqa: E402
+from xformer.provenance import machine_string  # noqa: E402
 
 PTB_VOCAB = 10_000
 
@@ -72,18 +72,6 @@ def model_state(spec: str, args, **changes) -> tuple:
     model = LanguageModel(cfg, rngs=nnx.Rngs(args.seed))
     model.eval()
     return nnx.split(model, nnx.Param, ...), cfg
-
-
-def device_string() -> str:
-    dev = jax.devices()[0]
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    return f"{dev.platform}:{dev.device_kind} x{jax.device_count()} | {cpu}, {os.cpu_count()} cores"
 
 
 def timed(fn, *args) -> float:
@@ -203,7 +191,7 @@ def main() -> None:
         },
         "repeats": args.repeats,
         "matmul_ceiling_gflops_before_after": [round(ceiling_before, 1), round(ceiling_after, 1)],
-        "device": device_string(),
+        "device": machine_string(),
         "jax": jax.__version__,
         "command": " ".join(["python", "bench/generate_speed.py", *sys.argv[1:]]),
     }

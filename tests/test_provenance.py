@@ -2,6 +2,7 @@
 and every start of a resumed run."""
 
 import importlib.metadata
+import os
 import subprocess
 
 import jax
@@ -51,6 +52,10 @@ def test_versions_and_devices():
     assert record["versions"]["orbax-checkpoint"] == importlib.metadata.version("orbax-checkpoint")
     assert record["devices"] == jax.device_count() and record["processes"] == 1
     assert record["device_kind"] == jax.devices()[0].device_kind and record["step"] == 7
+    assert record["cpu_count"] == os.cpu_count() and record["cpu"]
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            assert record["cpu"] in f.read()
 
 
 def test_a_resumed_run_keeps_every_start():

@@ -60,6 +60,27 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (from /proc/cpuinfo on Linux), else platform's best guess."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_string() -> str:
+    """One line for benchmark output, e.g. "cpu:cpu x1 | AMD EPYC 7B13, 2 cores"."""
+    device = jax.devices()[0]
+    return (
+        f"{device.platform}:{device.device_kind} x{jax.device_count()} | "
+        f"{cpu_model()}, {os.cpu_count()} cores"
+    )
+
+
 def start_record(step: int) -> dict[str, Any]:
     """This process's start: time, step, code, command line, libraries, devices and hosts."""
     devices = jax.devices()
@@ -76,6 +97,8 @@ def start_record(step: int) -> dict[str, Any]:
         "local_devices": jax.local_device_count(),
         "processes": jax.process_count(),
         "hostname": socket.gethostname(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
     }
 
 
