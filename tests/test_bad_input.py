@@ -168,6 +168,17 @@ def test_empty_lines_are_kept(tmp_path):
             r"same_length' needs .*mem_len",
         ),
         ({"eval.sliding_stride": 1}, r"sliding_stride needs a memoryless evaluation"),
+        (
+            {
+                "model.positional": "learned",
+                "model.mem_len": 0,
+                "eval.mem_len": 0,
+                "model.max_len": 64,
+                "data.segment_length": 64,
+                "eval.segment_length": 128,
+            },
+            r"eval segment length 128 exceed the learned position table \(model.max_len=64",
+        ),
         ({"model.adaptive_cutoffs": (500, 200)}, r"adaptive_cutoffs must be increasing"),
         ({"model.adaptive_cutoffs": (200,), "model.tie_projs": (True,)}, r"one entry per cluster"),
         ({"data.segment_length": 0}, r"data.segment_length must be > 0"),

@@ -425,7 +425,11 @@ def _validate_language_model(config: ml_collections.ConfigDict, cfg) -> None:
     scheme.check_memory(m.mem_len, "model.mem_len")
     scheme.check_memory(eval_mem_len, "eval.mem_len")
     if m.positional == "learned" and max(d.segment_length, eval_length) > m.max_len:
-        raise ValueError("segment lengths exceed the learned position table model.max_len")
+        raise ValueError(
+            f"data.segment_length={d.segment_length} / eval segment length {eval_length} exceed "
+            f"the learned position table (model.max_len={m.max_len} rows); learned positions "
+            "cannot score longer segments: evaluate at <= model.max_len or use another scheme"
+        )
     if e.sliding_stride and eval_mem_len:
         raise ValueError("eval.sliding_stride needs a memoryless evaluation (eval.mem_len=0)")
     if e.sliding_stride < 0 or e.sliding_stride > eval_length:
