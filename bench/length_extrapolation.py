@@ -16,7 +16,6 @@ the tables and writes <workdir>/extrapolation.json, .md and .png.
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from xformer import launch
@@ -56,16 +55,17 @@ def evaluate(workdir: str, length: int, mode: str, stride: int) -> dict:
     cached = read_json_if_present(out)
     if cached is not None:
         return cached
-    cmd = [sys.executable, "eval.py", f"--workdir={workdir}", "--split=test"]
+    cmd = ["python", "eval.py", f"--workdir={workdir}", "--split=test"]
     cmd += [f"--segment_length={length}", "--mem_len=0"]
     if mode == "sliding":
         cmd.append(f"--sliding_stride={min(stride, length)}")
-    print("$ " + " ".join(cmd[1:]), flush=True)
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    log = out.removesuffix(".json") + ".log"
+    done = launch.run(cmd, cwd=ROOT, capture=True, log=log)
     if done.returncode == 0:
         result = json.loads(done.stdout)
     else:
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        with open(log) as f:
+            lines = [line.strip() for line in f if line.strip()]
         result = {"error": lines[-1] if lines else f"exit status {done.returncode}"}
     write_json(out, result)
     return result

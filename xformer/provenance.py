@@ -73,7 +73,7 @@ def cpu_model() -> str:
 
 
 def machine_string() -> str:
-    """One line for benchmark output, e.g. "cpu:cpu x1 | AMD EPYC 7B13, 2 cores"."""
+    """One line for benchmark output, e.g. "cpu:cpu x1 | AMD EPYC, 2 cores"."""
     device = jax.devices()[0]
     return (
         f"{device.platform}:{device.device_kind} x{jax.device_count()} | "
