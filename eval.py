@@ -53,6 +53,11 @@ import time
 import zlib
 from collections.abc import Iterator
 
+from xformer.huge_pages import reexec_with_huge_pages
+
+if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
+    reexec_with_huge_pages()
+
 import jax
 from absl import app, flags, logging
 

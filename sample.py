@@ -18,6 +18,11 @@ import dataclasses
 import sys
 import time
 
+from xformer.huge_pages import reexec_with_huge_pages
+
+if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
+    reexec_with_huge_pages()
+
 import jax
 import numpy as np
 from absl import app, flags, logging

@@ -31,6 +31,11 @@ Multi-process (one command per process, every one with the same flags; README "M
 
 import sys
 
+from xformer.huge_pages import reexec_with_huge_pages
+
+if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
+    reexec_with_huge_pages()
+
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags

@@ -45,8 +45,10 @@ def test_no_repository_is_unknown_not_an_error(tmp_path, monkeypatch):
     assert provenance.git_state() == {"commit": None, "dirty": None}
 
 
-def test_versions_and_devices():
+def test_versions_and_devices(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     record = provenance.start_record(step=7)
+    assert record["glibc_tunables"] == "glibc.malloc.hugetlb=1"
     assert record["versions"]["jax"] == jax.__version__
     assert record["versions"]["flax"] == importlib.metadata.version("flax")
     assert record["versions"]["orbax-checkpoint"] == importlib.metadata.version("orbax-checkpoint")
