@@ -24,14 +24,20 @@ target tokens (no padding; the decoder is causal).
   imports torch (tensorboardX, imported by xformer, does).
 
 After one warm-up (compilation) and `--warmup` steps of each, every round times `--steps` steps
-of xformer, then `--steps` of PyTorch; tokens/s counts source + target tokens (4,096 a step), the
-median over rounds is reported with the ratio of the medians and the median of per-round ratios.
+of xformer, then `--steps` of PyTorch, each after one untimed step (the first step after the other
+side's, whose memory use differs, was up to 2x slower: training runs steps back to back);
+tokens/s counts source + target tokens (4,096 a step), the median over rounds is reported with
+the ratio of the medians and the median of per-round ratios.
 GFLOP/s uses two FLOP counts: XLA's cost analysis of the compiled xformer step, and one analytic
 count for both (`analytic_train_flops`: 2 FLOPs per multiply-add of every matmul of the forward
 pass - projections, FFN, attention scores and weighted values, output layer - times 3 for
 forward + backward; embeddings, softmax, LayerNorm, dropout, loss and Adam are not counted).
 The ceiling is `bench/matmul_ceiling.py`'s f32 2048^3 matmul (median of 3), measured at the end
-of every round; the table divides by the median over rounds.
+of every round; the table divides by the median over rounds. Each round also times "matmuls
+only": the step's 156 matmuls (`step_matmuls`) alone in one program, a bound on what removing
+all other work could give. Like train.py, the benchmark re-executes itself with glibc's malloc
+on transparent huge pages (xformer/huge_pages.py; both sides share the process);
+XFORMER_HUGE_PAGES=0 measures without.
 
 `--profile` traces `--profile_steps` xformer steps with `jax.profiler`, ranks the XLA ops
 (thunks: fusions, YNNPACK matmul fusions, Eigen dots, copies) of the trace by their time, and
@@ -59,13 +65,17 @@ import tempfile
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch's OpenMP starts (docstring)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from xformer.huge_pages import reexec_with_huge_pages  # noqa: E402
+
+if __name__ == "__main__":  # before jax starts, as train.py does (xformer/huge_pages.py)
+    reexec_with_huge_pages()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from matmul_ceiling import matmul_gflops  # noqa: E402
 
 from xformer import config as config_lib  # noqa: E402
@@ -94,6 +104,67 @@ def analytic_train_flops(
     dec = dec_self + dec_cross + nt * ffn
     macs = layers * (enc + dec) + nt * d * vocab
     return 3 * 2 * float(macs)
+
+
+def step_matmuls(
+    d_model, num_heads, layers, d_ff, vocab, rows, src_len, tgt_len, **_
+) -> list[tuple[str, tuple, tuple]]:
+    """The matmuls of one train step as (dot_general contraction, lhs shape, rhs shape): each
+    forward dense x[M, K] W[K, N] with its backward g W^T and x^T g, and each attention product
+    over [rows * heads] batches with its two backward products; the analytic FLOP count's."""
+    ns, nt, d = rows * src_len, rows * tgt_len, d_model
+    bh, hd = rows * num_heads, d_model // num_heads
+    dense = [(ns, d, 3 * d), (ns, d, d), (ns, d, d_ff), (ns, d_ff, d)] * layers  # encoder
+    dense += [(nt, d, 3 * d), (nt, d, d), (nt, d, d), (ns, d, 2 * d), (nt, d, d)] * layers
+    dense += [(nt, d, d_ff), (nt, d_ff, d)] * layers + [(nt, d, vocab)]
+    attention = [(src_len, src_len)] * layers + [(tgt_len, tgt_len), (tgt_len, src_len)] * layers
+    out = []
+    for m, k, n in dense:  # x W; dx = g W^T; dW = x^T g
+        out += [("nn", (m, k), (k, n)), ("nt", (m, n), (k, n)), ("tn", (m, k), (m, n))]
+    for lq, lk in attention:  # scores q k^T, values p v, and their gradients
+        q, kv, p = (bh, lq, hd), (bh, lk, hd), (bh, lq, lk)
+        out += [("bnt", q, kv), ("bnn", p, kv), ("btn", p, q)]  # s = q k^T; dq = ds k; dk = ds^T q
+        out += [("bnn", p, kv), ("bnt", q, kv), ("btn", p, q)]  # o = p v; dp = do v^T; dv = p^T do
+    return out
+
+
+class MatmulsOnly:
+    """The step's matmuls alone (`step_matmuls`, f32, random inputs of their own) in one jitted
+    program: how fast the step could be if everything but its matmuls were free."""
+
+    DIMS = {  # contraction -> dot_general dimension numbers
+        "nn": (((1,), (0,)), ((), ())),
+        "nt": (((1,), (1,)), ((), ())),
+        "tn": (((0,), (0,)), ((), ())),
+        "bnn": (((2,), (1,)), ((0,), (0,))),
+        "bnt": (((2,), (2,)), ((0,), (0,))),
+        "btn": (((1,), (1,)), ((0,), (0,))),
+    }
+
+    def __init__(self):
+        matmuls = step_matmuls(**SHAPE)
+        keys = jax.random.split(jax.random.key(0), 2 * len(matmuls))
+        self.operands, self.dims = [], []
+        for i, (kind, lhs, rhs) in enumerate(matmuls):
+            self.operands.append(
+                (jax.random.normal(keys[2 * i], lhs), jax.random.normal(keys[2 * i + 1], rhs))
+            )
+            self.dims.append(self.DIMS[kind])
+        dims = self.dims
+        self.program = jax.jit(
+            lambda ops: [jax.lax.dot_general(a, b, d) for (a, b), d in zip(ops, dims, strict=True)]
+        )
+        flops = self.program.lower(self.operands).compile().cost_analysis()["flops"]
+        if not math.isclose(flops, analytic_train_flops(**SHAPE), rel_tol=1e-6):
+            raise AssertionError(f"step_matmuls: {flops} FLOPs, not the analytic count's")
+        self.outputs = None
+
+    def run(self, steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.outputs = self.program(self.operands)
+        jax.block_until_ready(self.outputs)
+        return time.perf_counter() - start
 
 
 def make_batch(seed: int = 0) -> dict[str, np.ndarray]:
@@ -398,16 +469,17 @@ def main():
 
     ceilings = []
     with tempfile.TemporaryDirectory() as workdir:
-        xf = XformerStep(workdir)
+        xf, mm = XformerStep(workdir), MatmulsOnly()
         tf = None if args.no_torch else TorchStep(args.threads)
-        for side in (xf, tf):
+        for side in (xf, tf, mm):
             if side is not None:
                 side.run(args.warmup)
-        times = {"xformer": [], "pytorch": []}
+        times = {"xformer": [], "pytorch": [], "matmuls only": []}
         for r in range(args.rounds):
-            times["xformer"].append(xf.run(args.steps) / args.steps)
-            if tf is not None:
-                times["pytorch"].append(tf.run(args.steps) / args.steps)
+            for name, side in (("xformer", xf), ("pytorch", tf), ("matmuls only", mm)):
+                if side is not None:
+                    side.run(1)  # untimed: the first step after another program's is slower
+                    times[name].append(side.run(args.steps) / args.steps)
             ceilings.append(matmul_gflops(repeats=3))
             line = " | ".join(f"{k} {tokens / v[-1]:,.0f} tok/s" for k, v in times.items() if v)
             print(f"round {r + 1}/{args.rounds}: {line} | ceiling {ceilings[-1]:.1f}", flush=True)
@@ -421,6 +493,7 @@ def main():
         "pytorch": None if tf is None else tf.version,
         "torch_threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # xformer/huge_pages.py
         "load_average_1_5_15min": os.getloadavg(),  # other processes sharing the cores
         "tokens_per_step": tokens,
         "xla_gflop_per_step": xf.flops / 1e9,
@@ -453,7 +526,8 @@ def main():
 
     print(
         f"\n{command}\n{result['device']}; PyTorch {result['pytorch']}, {args.threads} threads, "
-        f"OMP_WAIT_POLICY={result['omp_wait_policy'] or '(default)'}"
+        f"OMP_WAIT_POLICY={result['omp_wait_policy'] or '(default)'}, "
+        f"GLIBC_TUNABLES={result['glibc_tunables'] or '(unset)'}"
     )
     print("load average (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     print(
