@@ -8,6 +8,7 @@ subprocess it starts (train.py, eval.py, xdist workers), through the environment
   process compiled instead of compiling them again;
 * XLA's LLVM backend at optimization level 0: compilation dominates the suite's time and
   the tiny test programs run just as well unoptimized. HLO-level optimizations still run.
+* glibc's malloc on transparent huge pages, as the entry scripts run (xformer/huge_pages.py).
 """
 
 import os
@@ -17,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from xformer import huge_pages
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
@@ -38,6 +41,7 @@ def pytest_configure(config):
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_XLA_FLAG}".strip()
+    huge_pages.set_for_new_processes()  # as train.py runs; this process runs no test under xdist
 
 
 def pytest_unconfigure(config):

@@ -36,13 +36,21 @@ def wanted(environ: dict | None = None) -> bool:
     )
 
 
-def reexec_with_huge_pages() -> None:
-    """Replace this process by the same command with GLIBC_TUNABLES += glibc.malloc.hugetlb=1
-    (other tunables kept). Returns at once where that is set already, opted out or useless."""
+def set_for_new_processes() -> bool:
+    """GLIBC_TUNABLES += glibc.malloc.hugetlb=1 (other tunables kept) in this process's
+    environment, which processes started from now on inherit; False where not `wanted`."""
     if not wanted():
-        return
+        return False
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [tunables, f"{TUNABLE}=1"]))
+    return True
+
+
+def reexec_with_huge_pages() -> None:
+    """Replace this process by the same command with `set_for_new_processes`' environment.
+    Returns at once where that is set already, opted out or useless."""
+    if not set_for_new_processes():
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, sys.orig_argv)
