@@ -48,7 +48,7 @@ def test_reexecutes_once_with_the_tunable_added_to_the_others():
     got = run(GLIBC_TUNABLES="glibc.malloc.trim_threshold=1048576")
     assert len(got["pids"]) == 2 and got["pids"][0] == got["pids"][1]  # exec, not a child
     assert got["tunables"] == "glibc.malloc.trim_threshold=1048576:glibc.malloc.hugetlb=1"
-    assert int(got["huge_kib"]) >= 32 << 10  # most of the 64 MiB block is on 2 MiB pages
+    assert int(got["huge_kib"]) >= 16 << 10  # 0 on 4 KiB pages; 62 of the 64 MiB measured
 
 
 def test_opt_out_and_an_existing_setting_leave_the_process_alone():
