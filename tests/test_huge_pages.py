@@ -33,9 +33,8 @@ print("huge_kib", int(huge[0].split()[1]) if huge else -1)
 
 
 def run(**env) -> dict:
-    environ = {
-        k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "XFORMER_HUGE_PAGES")
-    }
+    ours = ("GLIBC_TUNABLES", huge_pages.OPT_OUT)
+    environ = {k: v for k, v in os.environ.items() if k not in ours}
     out = subprocess.run(
         [sys.executable, "-c", PROGRAM], env={**environ, **env}, capture_output=True, text=True
     )
