@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -215,6 +216,13 @@ def test_checkpoint_from_another_process_count_is_refused(tmp_path):
     restored, data = Checkpointer(str(tmp_path)).restore(state)
     assert data == {"segment": 5} and int(restored["step"]) == 3
     np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_dispatch_window_is_synchronous_only_with_several_cpu_devices(monkeypatch):
+    cpu, gpu = (type("Device", (), {"platform": p}) for p in ("cpu", "gpu"))
+    for devices, size in (([cpu], 8), ([cpu] * 4, 0), ([gpu] * 4, 8)):
+        monkeypatch.setattr(jax, "local_devices", lambda devices=devices: devices)
+        assert DispatchWindow().size == size
 
 
 def test_dispatch_window_waits_for_the_step_size_places_back():
