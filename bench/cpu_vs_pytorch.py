@@ -39,10 +39,11 @@ all other work could give. Like train.py, the benchmark re-executes itself with 
 on transparent huge pages (xformer/huge_pages.py; both sides share the process);
 XFORMER_HUGE_PAGES=0 measures without.
 
-`--profile` traces `--profile_steps` xformer steps with `jax.profiler`, ranks the XLA ops
-(thunks: fusions, YNNPACK matmul fusions, Eigen dots, copies) of the trace by their time, and
-sums them by category; each op's kind (matmul, transpose, reduce, elementwise) and innermost
-xformer source line come from the optimized HLO's metadata. Shares are of the summed op time.
+`--profile` traces `--profile_steps` xformer steps with `jax.profiler` and ranks the XLA ops
+(thunks: fusions, YNNPACK matmul fusions, Eigen dots, copies) of the trace by their time, summed
+by category, through xformer/op_profile.py (which also summarises a train.profile_steps trace);
+each op's kind (matmul, transpose, reduce, elementwise) and innermost xformer source line come
+from the optimized HLO's metadata. Shares are of the summed op time.
 Caveat: Eigen `dot.N` thunks finish asynchronously, so the trace under-counts them and their
 time shows up in the ops that run beside them (usually the next matmul); matmul totals are
 roughly right (ops sum to about the wall time), single matmul ops are not. `--rounds 0
@@ -50,10 +51,7 @@ roughly right (ops sum to about the wall time), single matmul ops are not. `--ro
 """
 
 import argparse
-import collections
 import functools
-import glob
-import gzip
 import json
 import math
 import os
@@ -80,7 +78,7 @@ from matmul_ceiling import matmul_gflops  # noqa: E402
 
 from xformer import config as config_lib  # noqa: E402
 from xformer import experiment as experiment_lib  # noqa: E402
-from xformer import model_config, train_lib  # noqa: E402
+from xformer import model_config, op_profile, train_lib  # noqa: E402
 from xformer.models import EncoderDecoder  # noqa: E402
 from xformer.tasks.translation import TranslationTask  # noqa: E402
 
@@ -309,146 +307,41 @@ class TorchStep:
         return elapsed
 
 
-def _hlo_tables(hlo: str) -> tuple[dict, dict]:
-    """Per instruction of optimized HLO text: (opcode, called computation, op_name, frame id);
-    and per stack frame id: the innermost user source location "file:function:line"."""
-    tables: dict[str, dict[int, str]] = {}
-    section = None
-    for line in hlo.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            section, tables[line] = line, {}
-        elif section and re.match(r"^\d+ ", line):
-            key, value = line.split(" ", 1)
-            tables[section][int(key)] = value.strip('"')
-        else:
-            section = None
-    frames = {}
-    for fid, text in tables.get("StackFrames", {}).items():
-        loc = tables["FileLocations"][int(re.search(r"file_location_id=(\d+)", text)[1])]
-        file_id, func_id, lineno = (
-            int(re.search(rf"{k}=(\d+)", loc)[1])
-            for k in ("file_name_id", "function_name_id", "line")
-        )
-        name = os.path.basename(tables["FileNames"][file_id])
-        frames[fid] = f"{name}:{tables['FunctionNames'][func_id]}:{lineno}"
-    instructions, bodies, current = {}, collections.defaultdict(list), None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
-        if head:
-            current = head[1]
-            continue
-        m = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\(", line)
-        if not m or current is None:
-            continue
-        bodies[current].append(line)
-        called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", line)
-        op_name = re.search(r'op_name="([^"]*)"', line)
-        frame = re.search(r"stack_frame_id=(\d+)", line)
-        instructions[m[1]] = {
-            "shape": m[2].split("{")[0],
-            "opcode": m[3],
-            "calls": called[1] if called else None,
-            "op_name": op_name[1].removeprefix("jit(train_step)/") if op_name else "",
-            "source": frames.get(int(frame[1]), "") if frame else "",
-        }
-    return instructions, bodies
-
-
-def _kind(info: dict, bodies: dict) -> str:
-    """matmul, transpose (a layout-changing copy, maybe fused), reduce or elementwise."""
-    body = "\n".join(bodies.get(info["calls"], [])) if info["calls"] else ""
-    ops = set(re.findall(r"= \S+ ([\w\-]+)\(", body)) | {info["opcode"]}
-    if ops & {"dot", "convolution"}:
-        return "matmul"
-    if ops & {"transpose"} or info["opcode"] == "copy":
-        return "transpose"
-    if ops & {"reduce", "reduce-window"}:
-        return "reduce"
-    return "elementwise"
-
-
-CATEGORIES = (  # (category, test on (kind, source, shapes in the op)), first match wins
-    ("matmul: output layer [*, V]", lambda k, s, sh: k == "matmul" and VOCAB_DIM.search(sh)),
-    ("matmul: attention (scores, values)", lambda k, s, _: k == "matmul" and "dot_product" in s),
-    ("matmul: projections, FFN", lambda k, s, _: k == "matmul"),
-    ("layout transposes / copies", lambda k, s, _: k == "transpose"),
-    ("loss: log-softmax over V", lambda k, s, _: s.startswith("losses.py")),
-    ("dropout masks", lambda k, s, _: s.startswith("dropout.py")),
-    ("attention softmax, masks", lambda k, s, _: s.startswith(("attention.py", "masks.py"))),
-    ("LayerNorm, residual", lambda k, s, _: "Residual" in s),
-    ("optimizer (Adam)", lambda k, s, _: s.startswith("train_lib.py")),
-    ("other", lambda k, s, _: True),
+CATEGORIES = (  # first match wins; the names of the README's profile table
+    ("matmul: output layer [*, V]", lambda op: op.kind == "matmul" and VOCAB_DIM.search(op.shapes)),
+    (
+        "matmul: attention (scores, values)",
+        lambda op: op.kind == "matmul" and "dot_product" in op.source,
+    ),
+    ("matmul: projections, FFN", lambda op: op.kind == "matmul"),
+    ("layout transposes / copies", lambda op: op.kind == "transpose"),
+    ("loss: log-softmax over V", lambda op: op.source.startswith("losses.py")),
+    ("dropout masks", lambda op: op.source.startswith("dropout.py")),
+    ("attention softmax, masks", lambda op: op.source.startswith(("attention.py", "masks.py"))),
+    ("LayerNorm, residual", lambda op: "Residual" in op.source),
+    ("optimizer (Adam)", lambda op: op.source.startswith("train_lib.py")),
+    ("other", lambda op: True),
 )
 
 
 def profile_step(step: XformerStep, steps: int, top: int) -> dict:
-    """Trace `steps` steps with jax.profiler; XLA ops (thunks) ranked by their total time, with
-    kind and innermost source line from the optimized HLO, and summed by category. Shares are of
-    the summed op time (the CPU runtime may run independent ops concurrently)."""
+    """Trace `steps` steps with jax.profiler and rank their XLA ops (xformer/op_profile.py)."""
     step.run(1)
     logdir = tempfile.mkdtemp(prefix="xformer_profile_")
     with jax.profiler.trace(logdir):
         start = time.perf_counter()
         step.run(steps)
         wall = (time.perf_counter() - start) / steps
-    (path,) = glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True)
-    with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
-    seconds, calls = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("args", {}).get("hlo_module", "").endswith("train_step"):
-            seconds[e["name"]] += e["dur"] / 1e6 / steps
-            calls[e["name"]] += 1 / steps
-    instructions, bodies = _hlo_tables(step.compiled.as_text())
-    total = sum(seconds.values())
-    by_category, rows = collections.Counter(), []
-    for name, s in seconds.most_common():
-        info = instructions.get(name, {"opcode": "?", "calls": None, "op_name": "", "source": ""})
-        info.setdefault("shape", "")
-        kind = _kind(info, bodies)
-        shapes = " ".join([info["shape"], *bodies.get(info["calls"], [])])
-        category = next(c for c, test in CATEGORIES if test(kind, info["source"], shapes))
-        by_category[category] += s
-        rows.append(
-            {
-                "op": name,
-                "kind": kind,
-                "category": category,
-                "shape": info["shape"],
-                "source": info["source"],
-                "op_name": info["op_name"],
-                "ms_per_step": 1e3 * s,
-                "share": s / total,
-                "calls_per_step": calls[name],
-            }
-        )
-    return {
-        "logdir": logdir,
-        "wall_ms_per_step": 1e3 * wall,
-        "op_ms_per_step": 1e3 * total,
-        "top_ops": rows[:top],
-        "categories": [
-            {"category": c, "ms_per_step": 1e3 * s, "share": s / total}
-            for c, s in by_category.most_common()
-        ],
-    }
+    trace = op_profile.newest_trace(logdir)
+    summary = op_profile.summarise(
+        trace, step.compiled.as_text(), steps=steps, categories=CATEGORIES, top=top
+    )
+    return {"logdir": logdir, "wall_ms_per_step": 1e3 * wall, **summary}
 
 
 def print_profile(profile: dict) -> None:
-    print(
-        f"\nxformer profile: {profile['wall_ms_per_step']:.0f} ms/step wall, "
-        f"{profile['op_ms_per_step']:.0f} ms/step summed over XLA ops (trace: {profile['logdir']})"
-    )
-    print("| category | ms/step | share of op time |\n|---|---:|---:|")
-    for row in profile["categories"]:
-        print(f"| {row['category']} | {row['ms_per_step']:.0f} | {100 * row['share']:.1f}% |")
-    print("\n| op | kind | shape | source (innermost) | jax op | ms/step | share |")
-    print("|---|---|---|---|---|---:|---:|")
-    for r in profile["top_ops"]:
-        print(
-            f"| {r['op']} | {r['kind']} | {r['shape']} | {r['source']} | {r['op_name'][-48:]} | "
-            f"{r['ms_per_step']:.1f} | {100 * r['share']:.1f}% |"
-        )
+    print(f"\nxformer profile: {profile['wall_ms_per_step']:.0f} ms/step wall")
+    print(op_profile.format_summary(profile))
 
 
 def main():

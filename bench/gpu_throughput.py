@@ -66,6 +66,12 @@ On the device machine (its python3 has jax 0.11.2, flax, optax and orbax, not th
     PYTHONUNBUFFERED=1 python3 bench/gpu_throughput.py --out $OUT/gpu_throughput.json \
         2>&1 | tee $OUT/gpu_throughput.log
 
+`--profile STEPS` traces that many more steps of every setting after its timing, into
+`--profile-dir` (default: profiles/ beside --out), saves the step's HLO beside each trace and
+adds each setting's op profile (xformer/op_profile.py) to the JSON and the printout. It sets
+XLA_FLAGS=--xla_gpu_enable_command_buffer= for the run (kernels inside a CUDA graph would all be
+charged to the graph's op), so its throughput figures are not those of a default run.
+
 `--quick` (`--tiny`) shrinks every model, batch and vocabulary (d_model 64, one layer (1+1),
 8 rows of 64 or 4 rows of 32 tokens, 1,000-3,000 types; 1 warm-up step, 3 windows of 2, all
 settings in one process): a check that the benchmark works end to end, not a measurement. It
@@ -141,6 +147,7 @@ TINY = {  # --quick: name -> (config overrides, vocabulary size)
         3000,
     ),
 }
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="  # --profile: one op per kernel
 DTYPES = ("bfloat16", "float32")
 IMPLS = ("fused", "xla")
 PEAK_TFLOPS = (  # dense bf16 TFLOP/s by a substring of device_kind, first match wins
@@ -416,6 +423,9 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
     loss = float(metrics["loss_sum"] / metrics["tokens"])
     if not math.isfinite(loss):
         raise FloatingPointError(f"loss {loss} after {count} steps")
+    profile = None
+    if spec.get("profile"):
+        profile = profile_steps(spec, compiled, hlo, (state, rng_state), batches, count, jax)
 
     flops = analytic_flops(config, vocab)
     first = host_batches[0]["src" if "src" in host_batches[0] else "inputs"]
@@ -441,7 +451,27 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
         "cudnn_attention_calls": hlo.count("__cudnn$fmha"),
         "loss": loss,
         "steps_run": count,
+        "profile": profile,
     }
+
+
+def profile_steps(spec: dict, compiled, hlo: str, carry: tuple, batches: list, count: int, jax):
+    """Trace `spec["profile"]` more steps into <profile_dir>/<model>_<dtype>_<impl>/, save the
+    step's HLO beside the trace and summarise its ops (xformer/op_profile.py)."""
+    from xformer import op_profile
+
+    state, rng_state = carry
+    label = "_".join(spec[k] for k in ("model", "dtype", "attention_impl"))
+    folder = os.path.join(spec["profile_dir"], label)
+    with jax.profiler.trace(folder):
+        for i in range(count, count + spec["profile"]):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                state, metrics = compiled(state, rng_state, batches[i % len(batches)])
+        jax.block_until_ready((state, metrics))
+    trace = op_profile.newest_trace(folder)
+    with open(os.path.join(os.path.dirname(trace), op_profile.HLO_FILE), "w") as f:
+        f.write(hlo)
+    return op_profile.summarise(trace, hlo, steps=spec["profile"], top=15)
 
 
 # The run -----------------------------------------------------------------------------------
@@ -562,6 +592,17 @@ def main() -> None:
         metavar="[MODEL:]KEY=VALUE",
         help="config override, e.g. wt103_xl:model.adaptive_capacity=0.25 (repeatable)",
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after timing, trace this many steps per setting and rank their ops "
+        "(turns XLA's GPU command buffers off for the whole run)",
+    )
+    parser.add_argument(
+        "--profile-dir", help="traces go here (default: profiles/ beside --out, else a temp dir)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -589,6 +630,16 @@ def main() -> None:
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
     isolate = not args.quick if args.isolate is None else args.isolate
+    if args.profile:  # kernels in a CUDA graph would all be charged to its command-buffer op
+        if "jax" in sys.modules:
+            raise SystemExit("--profile must set XLA_FLAGS before jax is imported")
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} {NO_COMMAND_BUFFERS}".strip()
+        args.profile_dir = args.profile_dir or (
+            os.path.join(os.path.dirname(args.out) or ".", "profiles")
+            if args.out
+            else tempfile.mkdtemp(prefix="gpu_profiles_")
+        )
     command = shlex.join(["python", "bench/gpu_throughput.py", *sys.argv[1:]])
     print(f"command: {command}", flush=True)
     settings = [
@@ -603,6 +654,8 @@ def main() -> None:
             "warmup": args.warmup,
             "batches": args.batches,
             "peak_tflops": args.peak_tflops,
+            "profile": args.profile,
+            "profile_dir": args.profile_dir,
         }
         for name in names
         for dtype in args.dtypes.split(",")
@@ -613,6 +666,7 @@ def main() -> None:
         "host": platform.node(),
         "quick": args.quick,
         "isolated": isolate,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "notes": (
             "tokens/s: median over timed windows; MFU: analytic FLOPs (6NT + attention, "
             "positions incl. padding) per step / median step time / dense bf16 peak; "
@@ -660,6 +714,12 @@ def main() -> None:
     for r in report["results"]:
         for line in r.get("attention_log", []):
             print(f"note ({r['model']} {r['dtype']} {r['attention_impl']}): {line}")
+    for r in report["results"]:
+        if r.get("profile"):
+            from xformer import op_profile
+
+            print(f"\nprofile: {r['model']} {r['dtype']} {r['attention_impl']}")
+            print(op_profile.format_summary(r["profile"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

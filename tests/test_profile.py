@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from xformer import config as config_lib
+from xformer import op_profile
 from xformer.config import lm_base_config
 from xformer.timing import TrainClock
 from xformer.train_lib import StepProfiler, train_and_evaluate
@@ -87,6 +88,11 @@ def test_train_writes_a_trace_of_the_chosen_steps(tmp_path, tfds_dir, caplog):
     assert xplane.stat().st_size > 0 and b"jit_train_step" in xplane.read_bytes()
     assert traced_steps(perfetto) == {1, 2}  # the step counters 1 and 2: no more, no fewer
     assert f"profile of steps 1:3 written to {xplane.parent}" in caplog.text
+    # the compiled step's HLO is saved beside the trace: xformer.op_profile ranks its ops
+    summary = op_profile.summarise(str(xplane), (xplane.parent / op_profile.HLO_FILE).read_text())
+    assert summary["steps"] == 2 and summary["ops_not_in_hlo"] == 0
+    categories = {r["category"] for r in summary["categories"]}
+    assert {"matmul: dense layers", "loss", "optimizer"} <= categories
 
 
 def test_resumed_run_traces_the_rest_of_the_range(tmp_path, caplog):

@@ -4,6 +4,7 @@ import functools
 import glob
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from absl import logging
 from flax import nnx
 
 from xformer import config as config_lib
-from xformer import distributed, faults, provenance
+from xformer import distributed, faults, op_profile, provenance
 from xformer import experiment as experiment_lib
 from xformer.dispatch import DispatchWindow
 from xformer.files import read_json_if_present, write_json
@@ -136,9 +137,16 @@ class StepProfiler:
     (which writes the files) is left out of the training clock.
     """
 
-    def __init__(self, profile_steps: str, workdir: str, first_step: int, clock: TrainClock):
+    def __init__(
+        self,
+        profile_steps: str,
+        workdir: str,
+        first_step: int,
+        clock: TrainClock,
+        program_text: Callable[[], str] | None = None,
+    ):
         self.log_dir = os.path.join(workdir, PROFILE_DIR)
-        self.clock, self.tracing = clock, False
+        self.clock, self.tracing, self.program_text = clock, False, program_text
         self.start = self.stop = self.done = -1  # done: the counter after the last traced step
         steps = config_lib.profile_range(profile_steps)
         if steps is None:
@@ -183,14 +191,19 @@ class StepProfiler:
         self.tracing = False
         with self.clock.paused():
             jax.profiler.stop_trace()
-        runs = glob.glob(os.path.join(self.log_dir, "plugins", "profile", "*"))
+        run = max(glob.glob(os.path.join(self.log_dir, "plugins", "profile", "*")), default="")
+        if run and self.program_text is not None:
+            with open(os.path.join(run, op_profile.HLO_FILE), "w") as f:
+                f.write(self.program_text())
         logging.info(
             "profile of steps %d:%d written to %s (view: tensorboard --logdir %s, profile tab; "
-            "or open its perfetto_trace.json.gz in ui.perfetto.dev)",
+            "or open its perfetto_trace.json.gz in ui.perfetto.dev; ops by time: "
+            "python -m xformer.op_profile %s)",
             self.start,
             self.done,
-            max(runs, default=self.log_dir),
+            run or self.log_dir,
             os.path.dirname(self.log_dir),
+            run or self.log_dir,
         )
 
 
@@ -328,7 +341,7 @@ def train_and_evaluate(
     nonfinite = NonfiniteSteps(t.nonfinite, int(progress.get("nonfinite_steps", 0)), step)
     start_time, start_step, pending, window = time.time(), step, [], DispatchWindow()
     batch, last_metrics, stopped = first, {}, None
-    profiler = StepProfiler(t.profile_steps, workdir, step, clock)
+    profiler = StepProfiler(t.profile_steps, workdir, step, clock, compiled.as_text)
     signals = StopOnSignal()
     try:
         signals.install()  # SIGTERM / SIGINT: stop after a step, checkpointed

@@ -1,0 +1,260 @@
+"""xformer.op_profile: op times from a jax.profiler trace, per step, by kind and category.
+
+A hand-written trace (GPU streams and CPU thunks, as XSpace text) checks the arithmetic and
+the attribution rules against figures worked out by hand; a real CPU trace written by
+train_lib.StepProfiler checks that the trace, the saved HLO and the CLI fit together."""
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.profiler import ProfileData
+
+from xformer import op_profile
+from xformer.timing import TrainClock
+from xformer.train_lib import StepProfiler
+
+HLO = """HloModule jit_train_step, entry_computation_layout={(f32[64,64]{1,0})->f32[64,64]{1,0}}
+
+%fused_dot (param_0: f32[64,64]) -> f32[64,64] {
+  %param_0 = f32[64,64]{1,0} parameter(0)
+  ROOT %dot.1 = f32[64,64]{1,0} dot(%param_0, %param_0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_transpose (param_0.1: f32[64,64]) -> f32[64,64] {
+  %param_0.1 = f32[64,64]{1,0} parameter(0)
+  ROOT %transpose.2 = f32[64,64]{0,1} transpose(%param_0.1), dimensions={1,0}
+}
+
+%fused_dropout (param_0.2: f32[64,64]) -> f32[64,64] {
+  %param_0.2 = f32[64,64]{1,0} parameter(0)
+  ROOT %multiply.3 = f32[64,64]{1,0} multiply(%param_0.2, %param_0.2)
+}
+
+ENTRY %main.9 (p: f32[64,64]) -> f32[64,64] {
+  %p = f32[64,64]{1,0} parameter(0)
+  %gemm_fusion = f32[64,64]{1,0} fusion(%p), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(train_step)/jvp()/dot_general" stack_frame_id=2}
+  %custom-call.4 = (bf16[64,64]{1,0}, s8[1024]{0}) custom-call(%p, %p), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/transpose(jvp())/dot_general" stack_frame_id=2}
+  %custom-call.5 = (bf16[8,64,4,16]{3,2,1,0}, f32[8,4,64]{2,1,0}) custom-call(%p), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(train_step)/dot_product_attention" stack_frame_id=1}
+  %all-reduce-start = f32[64,64]{1,0} all-reduce-start(%p), replica_groups={}, to_apply=%fused_dropout
+  %loop_transpose_fusion = f32[64,64]{0,1} fusion(%p), kind=kLoop, calls=%fused_transpose
+  ROOT %loop_multiply_fusion = f32[64,64]{1,0} fusion(%p), kind=kLoop, calls=%fused_dropout, metadata={op_name="jit(train_step)/mul" stack_frame_id=3}
+}
+
+FileNames
+1 "/home/user/xformer/xformer/attention.py"
+2 "/home/user/xformer/xformer/linear.py"
+3 "/home/user/xformer/xformer/dropout.py"
+
+FunctionNames
+1 "dot_product_attention"
+2 "over_rows"
+3 "Dropout.__call__"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=60}
+2 {file_name_id=2 function_name_id=2 line=20}
+3 {file_name_id=3 function_name_id=3 line=44}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=1}
+"""  # noqa: E501 (HLO lines as XLA writes them)
+
+
+def _xspace(planes: list[tuple[str, dict[str, list[tuple]]]]) -> str:
+    """XSpace text proto. planes: (name, {line name: [(event name, offset_us, duration_us,
+    {stat: value})]})."""
+    out = []
+    for pid, (plane, lines) in enumerate(planes, 1):
+        names = sorted({e[0] for events in lines.values() for e in events})
+        stats = sorted({k for events in lines.values() for e in events for k in e[3]})
+        body = []
+        for lid, (line, events) in enumerate(lines.items(), 1):
+            body.append(f'lines {{ id: {lid} name: "{line}" timestamp_ns: 0')
+            for name, start, duration, values in events:
+                body.append(
+                    f"events {{ metadata_id: {names.index(name) + 1} "
+                    f"offset_ps: {int(start * 1e6)} duration_ps: {int(duration * 1e6)}"
+                )
+                for key, value in values.items():
+                    kind = "int64_value" if isinstance(value, int) else "str_value"
+                    value = value if isinstance(value, int) else f'"{value}"'
+                    body.append(
+                        f"stats {{ metadata_id: {100 + stats.index(key)} {kind}: {value} }}"
+                    )
+                body.append("}")
+            body.append("}")
+        body += [
+            f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}'
+            for i, n in enumerate(names, 1)
+        ]
+        body += [
+            f'stat_metadata {{ key: {100 + i} value {{ id: {100 + i} name: "{s}" }} }}'
+            for i, s in enumerate(stats)
+        ]
+        out.append(f'planes {{ id: {pid} name: "{plane}" ' + " ".join(body) + " }")
+    return "\n".join(out)
+
+
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "host.xplane.pb"
+    path.write_bytes(ProfileData.text_proto_to_serialized_xspace(text))
+    return str(path)
+
+
+def op(name: str, module: str = "jit_train_step") -> dict:
+    return {"hlo_op": name, "hlo_module": module}
+
+
+def test_parse_hlo_kinds_shapes_and_sources():
+    ops = op_profile.parse_hlo(HLO)
+    expected = {  # name: (kind, shape, source)
+        "gemm_fusion": ("matmul", "f32[64,64]", "linear.py:over_rows:20"),
+        "custom-call.4": ("matmul", "(bf16[64,64], s8[1024])", "linear.py:over_rows:20"),
+        "custom-call.5": (
+            "fused attention",
+            "(bf16[8,64,4,16], f32[8,4,64])",
+            "attention.py:dot_product_attention:60",
+        ),
+        "all-reduce-start": ("collective", "f32[64,64]", ""),
+        "loop_transpose_fusion": ("transpose", "f32[64,64]", ""),
+        "loop_multiply_fusion": ("elementwise", "f32[64,64]", "dropout.py:Dropout.__call__:44"),
+    }
+    for name, (kind, shape, source) in expected.items():
+        assert (ops[name].kind, ops[name].shape, ops[name].source) == (kind, shape, source), name
+    assert ops["custom-call.4"].op_name == "jit(train_step)/transpose(jvp())/dot_general"
+
+
+def test_gpu_trace_sums_stream_kernels_per_step(tmp_path):
+    """Two steps on two streams: every kernel of the program counts once per step under its HLO
+    op; derived lines, other modules' kernels and the host's own events do not; unattributed
+    device time is reported."""
+    stream = [  # (kernel, start us, duration us, stats), two steps
+        ("gemm_a", 0, 300, op("gemm_fusion")),
+        ("gemm_b", 300, 100, op("custom-call.4")),
+        ("fmha_fwd", 400, 50, op("custom-call.5")),
+        ("fmha_bwd", 450, 150, op("custom-call.5")),  # one HLO op, two kernels
+        ("transpose", 600, 20, op("loop_transpose_fusion")),
+        ("mul", 620, 10, op("loop_multiply_fusion")),
+        ("memcpy", 630, 40, {}),  # no op claims it
+        ("eval_gemm", 700, 500, op("gemm_fusion", "jit_eval_step")),  # another program
+    ]
+    stream += [(k, s + 2000, d, st) for k, s, d, st in stream]
+    nccl = [("nccl_allreduce", 100, 60, op("all-reduce-start"))]
+    nccl += [(k, s + 2000, d, st) for k, s, d, st in nccl]
+    derived = [("gemm_fusion", 0, 300, op("gemm_fusion"))]  # xprof's "XLA Ops" line
+    host = [("train", 0, 700, {"step_num": 0}), ("train", 2000, 700, {"step_num": 1})]
+    host += [("gemm_fusion", 0, 5, op("gemm_fusion"))]  # a launch on the host
+    trace = _write(
+        tmp_path,
+        _xspace(
+            [
+                ("/host:CPU", {"python": host}),
+                (
+                    "/device:GPU:0",
+                    {"Stream #7(Compute)": stream, "Stream #9(NCCL)": nccl, "XLA Ops": derived},
+                ),
+            ]
+        ),
+    )
+    summary = op_profile.summarise(trace, HLO, top=50)
+    assert summary["plane"] == "device" and summary["steps"] == 2
+    ms = {r["op"]: r["ms_per_step"] for r in summary["top_ops"]}
+    assert ms == pytest.approx(
+        {
+            "gemm_fusion": 0.300,
+            "custom-call.4": 0.100,
+            "custom-call.5": 0.200,
+            "all-reduce-start": 0.060,
+            "loop_transpose_fusion": 0.020,
+            "loop_multiply_fusion": 0.010,
+        }
+    )
+    calls = {r["op"]: r["calls_per_step"] for r in summary["top_ops"]}
+    assert calls["custom-call.5"] == 2 and calls["gemm_fusion"] == 1
+    assert summary["op_ms_per_step"] == pytest.approx(0.690)
+    assert summary["unclaimed_device_ms_per_step"] == pytest.approx(0.040)  # the memcpys only
+    assert summary["span_ms_per_step"] == pytest.approx((2630 - 0) / 2 / 1e3)
+    by_category = {r["category"]: r["ms_per_step"] for r in summary["categories"]}
+    assert by_category == pytest.approx(
+        {
+            "matmul: dense layers": 0.400,
+            "fused attention (cuDNN)": 0.200,
+            "collectives": 0.060,
+            "layout transposes / copies": 0.020,
+            "dropout": 0.010,
+        }
+    )
+    assert [r["op"] for r in summary["top_ops"]][:2] == ["gemm_fusion", "custom-call.5"]
+    assert sum(r["share"] for r in summary["categories"]) == pytest.approx(1.0)
+
+
+def test_cpu_trace_reads_the_host_plane_and_custom_categories(tmp_path):
+    """No device plane: XLA:CPU thunks on the host threads count; a caller's categories (here
+    one by shape, first) take precedence in order; ops the HLO lacks are counted and shown."""
+    thunks = [
+        ("gemm_fusion", 0, 2000, op("gemm_fusion")),
+        ("loop_multiply_fusion", 2000, 500, op("loop_multiply_fusion")),
+        ("copy.9", 2500, 250, op("copy.9")),
+    ]
+    trace = _write(tmp_path, _xspace([("/host:CPU", {"tf_XLAEigen/1": thunks})]))
+    categories = (("square [64, 64] dots", lambda o: o.kind == "matmul"),) + op_profile.CATEGORIES
+    summary = op_profile.summarise(trace, HLO, steps=1, categories=categories)
+    assert summary["plane"] == "host" and summary["unclaimed_device_ms_per_step"] == 0
+    by_category = {r["category"]: r["ms_per_step"] for r in summary["categories"]}
+    assert by_category == pytest.approx(
+        {"square [64, 64] dots": 2.0, "dropout": 0.5, "other": 0.25}
+    )
+    assert summary["ops_not_in_hlo"] == 1
+    with pytest.raises(ValueError, match="no 'train' step annotations"):
+        op_profile.summarise(trace, HLO)
+    with pytest.raises(ValueError, match="no XLA op of a module ending in 'eval_step'"):
+        op_profile.summarise(trace, HLO, steps=1, module="eval_step")
+
+
+def test_step_profiler_saves_the_program_and_the_cli_ranks_its_ops(tmp_path, capsys, caplog):
+    """A real CPU trace of two steps of a jitted `train_step`: StepProfiler writes its optimized
+    HLO beside the trace; every op the trace times is an op of that HLO, the dot is the
+    matmul, and the CLI prints and writes the same summary."""
+    caplog.set_level(logging.INFO)
+
+    def train_step(x):
+        return jnp.tanh(x @ x.T) * 0.5
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 256)), jnp.float32)
+    compiled = jax.jit(train_step).lower(x).compile()
+    profiler = StepProfiler("1:3", str(tmp_path), 0, TrainClock(), compiled.as_text)
+    for step in range(4):
+        profiler.before_step(step, x)
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            x = compiled(x)
+        profiler.after_step(step + 1, x)
+    profiler.close()
+
+    trace = op_profile.newest_trace(str(tmp_path / "profile"))
+    run = trace.rsplit("/", 1)[0]
+    with open(f"{run}/{op_profile.HLO_FILE}") as f:
+        hlo = f.read()
+    assert hlo == compiled.as_text()
+    summary = op_profile.summarise(trace, hlo)
+    assert summary["steps"] == 2 and summary["plane"] == "host"
+    assert summary["ops_not_in_hlo"] == 0
+    ops = op_profile.parse_hlo(hlo)
+    assert {r["op"] for r in summary["top_ops"]} <= set(ops)
+    matmuls = [r for r in summary["top_ops"] if r["kind"] == "matmul"]
+    assert len(matmuls) == 1 and matmuls[0]["calls_per_step"] == 1
+    assert matmuls[0]["shape"] == "f32[256,256]"
+    assert 0 < summary["op_ms_per_step"] <= summary["span_ms_per_step"] * 2  # 2 cores at most
+    assert f"python -m xformer.op_profile {run}" in caplog.text
+
+    out = tmp_path / "summary.json"
+    op_profile.main([str(tmp_path / "profile"), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"2 steps on the host plane of {trace}")
+    assert f"| {matmuls[0]['op']} | matmul | f32[256,256] |" in printed
+    assert json.loads(out.read_text())["top_ops"][0]["op"] == summary["top_ops"][0]["op"]

@@ -1,0 +1,318 @@
+"""Where a traced program's time goes: its XLA ops ranked by time and summed by category.
+
+Reads a jax.profiler trace (`<host>.xplane.pb`, as `train.profile_steps` or
+`jax.profiler.trace` writes it) and the program's optimized HLO text (`compiled.as_text()`;
+`train.profile_steps` saves it beside the trace as `train_step.hlo.txt`). Every trace event
+that carries the `hlo_op` and `hlo_module` stats of the program counts: on a GPU, the kernels
+on the device's streams (an HLO op may launch several); on CPU, XLA:CPU's thunks. Each op's
+kind (matmul, fused attention, collective, transpose, reduce, elementwise), shape and innermost
+user source line come from the HLO's metadata.
+
+    python -m xformer.op_profile <workdir>/profile          # the newest trace under it
+    python -m xformer.op_profile <run folder> --top 40 --json summary.json
+
+Caveats: XLA:CPU runs independent thunks concurrently and Eigen dots finish asynchronously, so
+single CPU ops can be mis-timed while totals stay close to the wall time. On a GPU, kernels
+that run inside a CUDA graph are attributed to the graph's command-buffer op; set
+`XLA_FLAGS=--xla_gpu_enable_command_buffer=` for a per-op profile (the summary reports how much
+device time no op of the program claims).
+"""
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+
+HLO_FILE = "train_step.hlo.txt"  # written by train_lib.StepProfiler beside the trace
+STEP_ANNOTATION = "train"  # train.py's jax.profiler.StepTraceAnnotation name
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One instruction of optimized HLO, as the profile needs it."""
+
+    name: str
+    opcode: str
+    kind: str  # matmul, fused attention, collective, transpose, reduce, elementwise
+    shape: str  # the result shape, e.g. "f32[2048,256]"
+    shapes: str  # every shape in the op and its fused body (for shape-based categories)
+    source: str  # innermost user frame "path:function:line", path relative to the package
+    op_name: str  # jax's op name path, e.g. "jit(train_step)/transpose(jvp())/dot_general"
+
+
+def _frames(hlo: str) -> dict[int, str]:
+    """The StackFrames table of HLO text: frame id -> "file:function:line"."""
+    tables: dict[str, dict[int, str]] = {}
+    section = None
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section, tables[line] = line, {}
+        elif section and re.match(r"^\d+ ", line):
+            key, value = line.split(" ", 1)
+            tables[section][int(key)] = value.strip('"')
+        else:
+            section = None
+    frames = {}
+    for fid, text in tables.get("StackFrames", {}).items():
+        loc = tables["FileLocations"][int(re.search(r"file_location_id=(\d+)", text)[1])]
+        file_id, func_id, lineno = (
+            int(re.search(rf"{k}=(\d+)", loc)[1])
+            for k in ("file_name_id", "function_name_id", "line")
+        )
+        path = tables["FileNames"][file_id]
+        path = path.rsplit("/xformer/", 1)[-1] if "/xformer/" in path else os.path.basename(path)
+        frames[fid] = f"{path}:{tables['FunctionNames'][func_id]}:{lineno}"
+    return frames
+
+
+def _kind(opcode: str, target: str, body_opcodes: set[str]) -> str:
+    opcodes = body_opcodes | {opcode}
+    if "fmha" in target:  # cuDNN fused attention (`__cudnn$fmha...`)
+        return "fused attention"
+    if opcodes & {"dot", "convolution"} or re.search(r"gemm|matmul", target):
+        return "matmul"  # XLA dots and fusions holding one; cuBLAS custom calls
+    if any(op.removesuffix("-start").removesuffix("-done") in COLLECTIVES for op in opcodes):
+        return "collective"
+    if "transpose" in opcodes or opcode == "copy":
+        return "transpose"
+    if opcodes & {"reduce", "reduce-window"}:
+        return "reduce"
+    return "elementwise"
+
+
+def parse_hlo(hlo: str) -> dict[str, Op]:
+    """Optimized HLO text -> {instruction name: Op} for every instruction of every computation
+    (a fusion's kind looks inside the computation it calls)."""
+    frames = _frames(hlo)
+    rows, bodies, current = [], collections.defaultdict(list), None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
+        if head:
+            current = head[1]
+            continue
+        m = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\(", line)
+        if m and current is not None:
+            shape = re.sub(r"\{[^}]*\}", "", m[2])  # layouts and tiling dropped
+            bodies[current].append((m[3], shape))
+            rows.append((m[1], shape, m[3], line))
+    ops = {}
+    for name, shape, opcode, line in rows:
+        called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", line)
+        body = bodies.get(called[1], []) if called else []
+        target = re.search(r'custom_call_target="([^"]*)"', line)
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        ops[name] = Op(
+            name=name,
+            opcode=opcode,
+            kind=_kind(opcode, target[1] if target else "", {o for o, _ in body}),
+            shape=shape,
+            shapes=" ".join([shape, *(s for _, s in body)]),
+            source=frames.get(int(frame[1]), "") if frame else "",
+            op_name=op_name[1] if op_name else "",
+        )
+    return ops
+
+
+def _from_package(*files: str) -> Callable[[Op], bool]:
+    return lambda op: op.source.startswith(files)
+
+
+_attention = _from_package("attention", "positional")
+Category = tuple[str, Callable[[Op], bool]]
+CATEGORIES: tuple[Category, ...] = (  # first match wins
+    ("fused attention (cuDNN)", lambda op: op.kind == "fused attention"),
+    ("matmul: attention scores, values", lambda op: op.kind == "matmul" and _attention(op)),
+    ("matmul: dense layers", lambda op: op.kind == "matmul"),
+    ("collectives", lambda op: op.kind == "collective"),
+    ("layout transposes / copies", lambda op: op.kind == "transpose"),
+    ("dense layers: bias, activation", _from_package("linear.py", "blocks.py:FeedForward")),
+    ("loss", _from_package("losses.py", "adaptive.py")),
+    ("dropout", _from_package("dropout.py")),
+    ("attention softmax, masks, positions", _from_package("attention", "masks", "positional")),
+    ("embeddings", lambda op: "_embed" in op.source or "embedding" in op.source),
+    ("LayerNorm, residual", lambda op: "Residual" in op.source or "norm" in op.source.lower()),
+    ("optimizer", lambda op: op.source.startswith("train_lib.py") or "optax" in op.op_name),
+    ("other", lambda op: True),
+)
+
+
+def _stats(event) -> dict:
+    return {key: value for key, value in event.stats}
+
+
+def _events(profile, module: str) -> tuple[list[tuple[str, float, float]], float, str]:
+    """(hlo_op, start_ns, duration_ns) of every event of `module` on the device planes (a GPU's
+    streams) or else on the host plane (XLA:CPU); the device time that no HLO op claims
+    (copies, graph launches); the plane kind ("device" or "host")."""
+    planes = list(profile.planes)
+    devices = [p for p in planes if p.name.startswith("/device:")]
+    hosts = [p for p in planes if p.name == "/host:CPU"]
+    for kind, chosen in (("device", devices), ("host", hosts)):
+        events, unclaimed = [], 0.0
+        for plane in chosen:
+            for line in plane.lines:
+                if kind == "device" and not line.name.startswith("Stream"):
+                    continue  # derived lines ("XLA Ops", ...) would count kernels twice
+                for e in line.events:
+                    stats = _stats(e)
+                    if str(stats.get("hlo_module", "")).endswith(module) and "hlo_op" in stats:
+                        events.append((str(stats["hlo_op"]), e.start_ns, e.duration_ns))
+                    elif kind == "device" and "hlo_op" not in stats:
+                        unclaimed += e.duration_ns
+        if events:
+            return events, unclaimed, kind
+    raise ValueError(f"the trace holds no XLA op of a module ending in {module!r}")
+
+
+def _traced_steps(profile, name: str) -> int:
+    """How many StepTraceAnnotation events called `name` the host planes hold."""
+    return sum(
+        1
+        for plane in profile.planes
+        if plane.name.startswith("/host:")
+        for line in plane.lines
+        for e in line.events
+        if e.name == name and "step_num" in _stats(e)
+    )
+
+
+def summarise(
+    xplane: str,
+    hlo: str,
+    *,
+    steps: int | None = None,
+    module: str = "train_step",
+    categories: Iterable[Category] = CATEGORIES,
+    top: int = 20,
+) -> dict:
+    """The op time of `module` in the trace `xplane`, per step, ranked and by category.
+
+    steps: how many runs of the program the trace holds (default: its `train` step
+    annotations). Shares are of the summed op time; `span_ms_per_step` is first op start to
+    last op end over the steps, so span minus op time is idle (or, on CPU, overlapped) time.
+    """
+    from jax.profiler import ProfileData
+
+    profile = ProfileData.from_file(xplane)
+    events, unclaimed, plane = _events(profile, module)
+    steps = steps or _traced_steps(profile, STEP_ANNOTATION)
+    if not steps:
+        raise ValueError(f"no '{STEP_ANNOTATION}' step annotations in {xplane}: pass steps")
+    ops, categories = parse_hlo(hlo), tuple(categories)
+    seconds, calls = collections.Counter(), collections.Counter()
+    for name, _, duration in events:
+        seconds[name] += duration * 1e-9 / steps
+        calls[name] += 1 / steps
+    total = sum(seconds.values())
+    span = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) * 1e-9 / steps
+    by_category, rows = collections.Counter(), []
+    for name, s in seconds.most_common():
+        op = ops.get(name) or Op(name, "?", "?", "", "", "", "")
+        category = next(label for label, test in categories if test(op))
+        by_category[category] += s
+        rows.append(
+            {
+                "op": name,
+                "kind": op.kind,
+                "category": category,
+                "shape": op.shape,
+                "source": op.source,
+                "op_name": op.op_name.removeprefix(f"jit({module})/"),
+                "ms_per_step": 1e3 * s,
+                "share": s / total,
+                "calls_per_step": calls[name],
+            }
+        )
+    return {
+        "trace": xplane,
+        "plane": plane,
+        "steps": steps,
+        "op_ms_per_step": 1e3 * total,
+        "span_ms_per_step": 1e3 * span,
+        "unclaimed_device_ms_per_step": 1e3 * unclaimed * 1e-9 / steps,
+        "ops_not_in_hlo": sum(1 for name in seconds if name not in ops),
+        "categories": [
+            {"category": c, "ms_per_step": 1e3 * s, "share": s / total}
+            for c, s in by_category.most_common()
+        ],
+        "top_ops": rows[:top],
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """Markdown: a header line, the category table and the top-ops table."""
+    lines = [
+        f"{summary['steps']} steps on the {summary['plane']} plane of {summary['trace']}: "
+        f"{summary['op_ms_per_step']:.2f} ms/step summed over ops, "
+        f"{summary['span_ms_per_step']:.2f} ms/step from first op to last",
+    ]
+    if summary["unclaimed_device_ms_per_step"]:
+        lines.append(
+            f"device time that no HLO op claims: "
+            f"{summary['unclaimed_device_ms_per_step']:.2f} ms/step"
+        )
+    lines += ["", "| category | ms/step | share of op time |", "|---|---:|---:|"]
+    lines += [
+        f"| {r['category']} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% |"
+        for r in summary["categories"]
+    ]
+    lines += [
+        "",
+        "| op | kind | shape | source (innermost) | jax op | calls/step | ms/step | share |",
+        "|---|---|---|---|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['op']} | {r['kind']} | {r['shape']} | {r['source']} | {r['op_name'][-48:]} | "
+        f"{r['calls_per_step']:g} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% |"
+        for r in summary["top_ops"]
+    ]
+    return "\n".join(lines)
+
+
+def newest_trace(path: str) -> str:
+    """path itself if it is an .xplane.pb, else the newest .xplane.pb under it."""
+    if path.endswith(".xplane.pb"):
+        return path
+    found = glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True)
+    if not found:
+        raise FileNotFoundError(f"no *.xplane.pb under {path} (train.profile_steps writes one)")
+    return max(found, key=os.path.getmtime)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("trace", help="an .xplane.pb, or a folder holding one (the newest)")
+    parser.add_argument("--hlo", help=f"optimized HLO text (default: {HLO_FILE} beside it)")
+    parser.add_argument("--steps", type=int, help="runs traced (default: step annotations)")
+    parser.add_argument("--module", default="train_step", help="jitted function's name")
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--json", help="also write the summary here")
+    args = parser.parse_args(argv)
+    xplane = newest_trace(args.trace)
+    hlo_path = args.hlo or os.path.join(os.path.dirname(xplane), HLO_FILE)
+    if not os.path.exists(hlo_path):
+        raise FileNotFoundError(f"{hlo_path} not found: pass --hlo (compiled.as_text())")
+    with open(hlo_path) as f:
+        summary = summarise(xplane, f.read(), steps=args.steps, module=args.module, top=args.top)
+    print(format_summary(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
