@@ -41,6 +41,7 @@ ENTRY %main.9 (p: f32[64,64]) -> f32[64,64] {
   %custom-call.5 = (bf16[8,64,4,16]{3,2,1,0}, f32[8,4,64]{2,1,0}) custom-call(%p), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(train_step)/dot_product_attention" stack_frame_id=1}
   %all-reduce-start = f32[64,64]{1,0} all-reduce-start(%p), replica_groups={}, to_apply=%fused_dropout
   %loop_transpose_fusion = f32[64,64]{0,1} fusion(%p), kind=kLoop, calls=%fused_transpose
+  %while.7 = f32[64,64]{1,0} while(%p), condition=%fused_transpose, body=%fused_dot
   ROOT %loop_multiply_fusion = f32[64,64]{1,0} fusion(%p), kind=kLoop, calls=%fused_dropout, metadata={op_name="jit(train_step)/mul" stack_frame_id=3}
 }
 
@@ -123,6 +124,7 @@ def test_parse_hlo_kinds_shapes_and_sources():
         ),
         "all-reduce-start": ("collective", "f32[64,64]", ""),
         "loop_transpose_fusion": ("transpose", "f32[64,64]", ""),
+        "while.7": ("control flow", "f32[64,64]", ""),
         "loop_multiply_fusion": ("elementwise", "f32[64,64]", "dropout.py:Dropout.__call__:44"),
     }
     for name, (kind, shape, source) in expected.items():
@@ -195,9 +197,11 @@ def test_gpu_trace_sums_stream_kernels_per_step(tmp_path):
 
 
 def test_cpu_trace_reads_the_host_plane_and_custom_categories(tmp_path):
-    """No device plane: XLA:CPU thunks on the host threads count; a caller's categories (here
-    one by shape, first) take precedence in order; ops the HLO lacks are counted and shown."""
+    """No device plane: XLA:CPU thunks on the host threads count, an enclosing thunk only with
+    its own time; a caller's categories (here one by kind, first) take precedence in order;
+    ops the HLO lacks are counted and shown."""
     thunks = [
+        ("while.1", 0, 3000, op("while.1")),  # encloses the three ops of its body
         ("gemm_fusion", 0, 2000, op("gemm_fusion")),
         ("loop_multiply_fusion", 2000, 500, op("loop_multiply_fusion")),
         ("copy.9", 2500, 250, op("copy.9")),
@@ -207,10 +211,11 @@ def test_cpu_trace_reads_the_host_plane_and_custom_categories(tmp_path):
     summary = op_profile.summarise(trace, HLO, steps=1, categories=categories)
     assert summary["plane"] == "host" and summary["unclaimed_device_ms_per_step"] == 0
     by_category = {r["category"]: r["ms_per_step"] for r in summary["categories"]}
-    assert by_category == pytest.approx(
-        {"square [64, 64] dots": 2.0, "dropout": 0.5, "other": 0.25}
+    assert by_category == pytest.approx(  # other: copy.9 and the while's own 0.25 ms
+        {"square [64, 64] dots": 2.0, "dropout": 0.5, "other": 0.5}
     )
-    assert summary["ops_not_in_hlo"] == 1
+    assert summary["op_ms_per_step"] == pytest.approx(3.0) == summary["span_ms_per_step"]
+    assert summary["ops_not_in_hlo"] == 2
     with pytest.raises(ValueError, match="no 'train' step annotations"):
         op_profile.summarise(trace, HLO)
     with pytest.raises(ValueError, match="no XLA op of a module ending in 'eval_step'"):

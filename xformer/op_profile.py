@@ -46,7 +46,7 @@ class Op:
 
     name: str
     opcode: str
-    kind: str  # matmul, fused attention, collective, transpose, reduce, elementwise
+    kind: str  # matmul, fused attention, collective, transpose, reduce, elementwise, control flow
     shape: str  # the result shape, e.g. "f32[2048,256]"
     shapes: str  # every shape in the op and its fused body (for shape-based categories)
     source: str  # innermost user frame "path:function:line", path relative to the package
@@ -79,6 +79,8 @@ def _frames(hlo: str) -> dict[int, str]:
 
 
 def _kind(opcode: str, target: str, body_opcodes: set[str]) -> str:
+    if opcode in ("while", "conditional", "call"):
+        return "control flow"  # its own time only: the ops of its body are timed apart
     opcodes = body_opcodes | {opcode}
     if "fmha" in target:  # cuDNN fused attention (`__cudnn$fmha...`)
         return "fused attention"
@@ -154,10 +156,28 @@ def _stats(event) -> dict:
     return {key: value for key, value in event.stats}
 
 
-def _events(profile, module: str) -> tuple[list[tuple[str, float, float]], float, str]:
-    """(hlo_op, start_ns, duration_ns) of every event of `module` on the device planes (a GPU's
-    streams) or else on the host plane (XLA:CPU); the device time that no HLO op claims
-    (copies, graph launches); the plane kind ("device" or "host")."""
+def _self_times(events: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float]]:
+    """(op, start, duration) of one timeline -> (op, start, self time, end): an event that
+    encloses others (a while or conditional thunk around its body's ops) keeps its own time."""
+    events = sorted(events, key=lambda e: (e[1], -e[2]))
+    own = [d for _, _, d in events]
+    stack: list[int] = []  # indices of the events enclosing the current one
+    for i, (_, start, duration) in enumerate(events):
+        while stack and start >= events[stack[-1]][1] + events[stack[-1]][2]:
+            stack.pop()
+        if stack:
+            own[stack[-1]] -= duration
+        stack.append(i)
+    return [
+        (name, start, max(t, 0.0), start + duration)
+        for (name, start, duration), t in zip(events, own, strict=True)
+    ]
+
+
+def _events(profile, module: str) -> tuple[list[tuple[str, float, float, float]], float, str]:
+    """(hlo_op, start_ns, self time in ns, end_ns) of every event of `module` on the device
+    planes (a GPU's streams) or else on the host plane (XLA:CPU); the device time that no HLO
+    op claims (copies, graph launches); the plane kind ("device" or "host")."""
     planes = list(profile.planes)
     devices = [p for p in planes if p.name.startswith("/device:")]
     hosts = [p for p in planes if p.name == "/host:CPU"]
@@ -167,12 +187,14 @@ def _events(profile, module: str) -> tuple[list[tuple[str, float, float]], float
             for line in plane.lines:
                 if kind == "device" and not line.name.startswith("Stream"):
                     continue  # derived lines ("XLA Ops", ...) would count kernels twice
+                timeline = []
                 for e in line.events:
                     stats = _stats(e)
                     if str(stats.get("hlo_module", "")).endswith(module) and "hlo_op" in stats:
-                        events.append((str(stats["hlo_op"]), e.start_ns, e.duration_ns))
+                        timeline.append((str(stats["hlo_op"]), e.start_ns, e.duration_ns))
                     elif kind == "device" and "hlo_op" not in stats:
                         unclaimed += e.duration_ns
+                events += _self_times(timeline)
         if events:
             return events, unclaimed, kind
     raise ValueError(f"the trace holds no XLA op of a module ending in {module!r}")
@@ -214,11 +236,11 @@ def summarise(
         raise ValueError(f"no '{STEP_ANNOTATION}' step annotations in {xplane}: pass steps")
     ops, categories = parse_hlo(hlo), tuple(categories)
     seconds, calls = collections.Counter(), collections.Counter()
-    for name, _, duration in events:
+    for name, _, duration, _ in events:
         seconds[name] += duration * 1e-9 / steps
         calls[name] += 1 / steps
     total = sum(seconds.values())
-    span = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) * 1e-9 / steps
+    span = (max(e[3] for e in events) - min(e[1] for e in events)) * 1e-9 / steps
     by_category, rows = collections.Counter(), []
     for name, s in seconds.most_common():
         op = ops.get(name) or Op(name, "?", "?", "", "", "", "")
