@@ -9,6 +9,8 @@
 #                                      # xla) and wt103_xl (bf16 fused): where the step's time goes
 #   bash bench/gpu_session.sh cli      # train.py + eval.py from the command line on the GPU,
 #                                      # both families, model.dtype=bfloat16, attention_impl=fused
+#   bash bench/gpu_session.sh remat    # wmt14 bf16 fused, model.remat none / full / dots: peak
+#                                      # memory and step time
 # Logs and JSON go to $OUT (the device's return folder; default workdirs/gpu_session).
 # QUICK=1 PY=<python> checks the script on a CPU with tiny sizes; STEPS sets the cli steps.
 set -euo pipefail
@@ -67,8 +69,17 @@ case "${1:-}" in
         | tail -n 6
     done
     ;;
+  remat)
+    for remat in none full dots; do
+      "$PY" bench/gpu_throughput.py "${quick[@]}" --configs wmt14 --dtypes bfloat16 \
+        --impls fused --set "model.remat=$remat" --budget-s 150 \
+        --out "$OUT/remat_$remat.json" >"$OUT/remat_$remat.log" 2>&1 || echo "remat $remat: exit $?"
+      echo "== model.remat=$remat"
+      grep -E '^\[|^\| wmt14' "$OUT/remat_$remat.log" | head -n 3
+    done
+    ;;
   *)
-    echo "usage: bash bench/gpu_session.sh profile|cli" >&2
+    echo "usage: bash bench/gpu_session.sh profile|cli|remat" >&2
     exit 2
     ;;
 esac

@@ -275,6 +275,7 @@ RESUMABLE = (
     "eval.",
     "mesh.",
     "model.attention_impl",
+    "model.remat",
     "data.data_dir",
     "data.manual_dir",
     "data.vocab_dir",

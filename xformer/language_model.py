@@ -21,6 +21,7 @@ from xformer.layout import Layout
 from xformer.model_config import LMConfig
 from xformer.positional import SCHEMES
 from xformer.positional.base import BoundScheme
+from xformer.remat import apply_layer
 
 Memory = dict  # {"states": [num_layers, B, M, d], "filled": [B] int32 valid trailing slots}
 MEMORY_BATCH_AXES = {"states": 1, "filled": 0}  # each memory entry's batch (row) axis
@@ -94,7 +95,10 @@ class LanguageModel(nnx.Module):
         inputs = []
         for i, layer in enumerate(self.layers):
             inputs.append(x)
-            x = layer(x, mask, positional, i, None if memory is None else memory["states"][i])
+            states = None if memory is None else memory["states"][i]
+            x = apply_layer(
+                layer, lambda m, x, i=i, s=states: m(x, mask, positional, i, s), x, self.cfg.remat
+            )
         if memory is not None:
             memory = _remember(memory, jnp.stack(inputs))
         return self._output(x), memory

@@ -66,6 +66,12 @@ class StackConfig:
         "flash attention on GPU where it can serve, XLA elsewhere",
         ("xla", "fused"),
     )
+    remat: str = option(
+        "none",
+        "training: recompute each layer's activations in the backward pass (remat.py): none, "
+        "full (keep layer inputs only) or dots (keep matmul outputs)",
+        ("none", "full", "dots"),
+    )
 
     @classmethod
     def fields(cls) -> dict[str, dataclasses.Field]:

@@ -16,6 +16,7 @@ from xformer.linear import Linear, over_rows
 from xformer.model_config import TransformerConfig
 from xformer.positional import SCHEMES
 from xformer.positional.base import BoundScheme
+from xformer.remat import apply_layer
 from xformer.sharding import logical
 
 
@@ -92,7 +93,7 @@ class EncoderDecoder(nnx.Module):
         mask = self._self_mask(self.cfg.encoder_mask, layout, src_segments)
         positional = BoundScheme.bind(self.src_positional, layout)
         for i, layer in enumerate(self.encoder):
-            x = layer(x, mask, positional, i)
+            x = apply_layer(layer, lambda m, x, i=i: m(x, mask, positional, i), x, self.cfg.remat)
         return x if self.encoder_norm is None else self.encoder_norm(x)
 
     def __call__(
@@ -124,7 +125,12 @@ class EncoderDecoder(nnx.Module):
         cross_mask = masks.segment_mask(tgt_segments, src_segments)
         positional = BoundScheme.bind(self.tgt_positional, layout)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, self_mask, cross_mask, positional, i, encoded=encoded)
+            x = apply_layer(
+                layer,
+                lambda m, x, i=i: m(x, self_mask, cross_mask, positional, i, encoded=encoded),
+                x,
+                self.cfg.remat,
+            )
         return self._logits(x)
 
     # Incremental decoding ---------------------------------------------------------------------
