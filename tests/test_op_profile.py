@@ -37,7 +37,7 @@ HLO = """HloModule jit_train_step, entry_computation_layout={(f32[64,64]{1,0})->
 ENTRY %main.9 (p: f32[64,64]) -> f32[64,64] {
   %p = f32[64,64]{1,0} parameter(0)
   %gemm_fusion = f32[64,64]{1,0} fusion(%p), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(train_step)/jvp()/dot_general" stack_frame_id=2}
-  %custom-call.4 = (bf16[64,64]{1,0}, s8[1024]{0}) custom-call(%p, %p), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/transpose(jvp())/dot_general" stack_frame_id=2}
+  %custom-call.4 = (bf16[64,64]{1,0}, s8[1024]{0}) custom-call(%p, %p), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/transpose(jvp())/dot_general" stack_frame_id=2}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
   %custom-call.5 = (bf16[8,64,4,16]{3,2,1,0}, f32[8,4,64]{2,1,0}) custom-call(%p), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(train_step)/dot_product_attention" stack_frame_id=1}
   %all-reduce-start = f32[64,64]{1,0} all-reduce-start(%p), replica_groups={}, to_apply=%fused_dropout
   %loop_transpose_fusion = f32[64,64]{0,1} fusion(%p), kind=kLoop, calls=%fused_transpose
@@ -130,6 +130,16 @@ def test_parse_hlo_kinds_shapes_and_sources():
     for name, (kind, shape, source) in expected.items():
         assert (ops[name].kind, ops[name].shape, ops[name].source) == (kind, shape, source), name
     assert ops["custom-call.4"].op_name == "jit(train_step)/transpose(jvp())/dot_general"
+    # bytes: result + operands; FLOPs: 2 x [64, 64] outputs x 64 contracted, from the dot in
+    # the fusion's body or from the GEMM call's dimension numbers
+    f32 = 64 * 64 * 4
+    assert (ops["gemm_fusion"].bytes, ops["gemm_fusion"].flops) == (2 * f32, 2 * 64**3)
+    assert (ops["custom-call.4"].bytes, ops["custom-call.4"].flops) == (
+        64 * 64 * 2 + 1024 + 2 * f32,
+        2 * 64**3,
+    )
+    assert ops["loop_multiply_fusion"].bytes == 2 * f32 and ops["loop_multiply_fusion"].flops == 0
+    assert ops["while.7"].bytes == 0  # its body's ops are counted themselves
 
 
 def test_gpu_trace_sums_stream_kernels_per_step(tmp_path):
@@ -193,6 +203,14 @@ def test_gpu_trace_sums_stream_kernels_per_step(tmp_path):
         }
     )
     assert [r["op"] for r in summary["top_ops"]][:2] == ["gemm_fusion", "custom-call.5"]
+    dense = next(r for r in summary["categories"] if r["category"] == "matmul: dense layers")
+    f32 = 64 * 64 * 4  # two GEMMs of 2 x 64^3 FLOPs in 0.4 ms, their bytes over the same time
+    assert dense["gflop_per_s"] == pytest.approx(2 * 2 * 64**3 / 0.4e-3 / 1e9)
+    moved = 2 * f32 + (64 * 64 * 2 + 1024 + 2 * f32)  # gemm_fusion, custom-call.4
+    assert dense["gb_per_s"] == pytest.approx(moved / 0.4e-3 / 1e9)
+    transpose = next(r for r in summary["top_ops"] if r["op"] == "loop_transpose_fusion")
+    assert transpose["gb_per_s"] == pytest.approx(2 * f32 / 0.020e-3 / 1e9)
+    assert transpose["gflop_per_s"] is None
     assert sum(r["share"] for r in summary["categories"]) == pytest.approx(1.0)
 
 

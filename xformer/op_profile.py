@@ -5,8 +5,11 @@ Reads a jax.profiler trace (`<host>.xplane.pb`, as `train.profile_steps` or
 `train.profile_steps` saves it beside the trace as `train_step.hlo.txt`). Every trace event
 that carries the `hlo_op` and `hlo_module` stats of the program counts: on a GPU, the kernels
 on the device's streams (an HLO op may launch several); on CPU, XLA:CPU's thunks. Each op's
-kind (matmul, fused attention, collective, transpose, reduce, elementwise), shape and innermost
-user source line come from the HLO's metadata.
+kind (matmul, fused attention, collective, transpose, reduce, elementwise, control flow), shape
+and innermost user source line come from the HLO's metadata, and two rates from its shapes:
+GB/s of the bytes at its boundary (operands read and result written once: compare with the
+device's copy bandwidth, `bench/matmul_ceiling.py --copy_gib`) and, for matmuls, GFLOP/s
+(compare with the matmul ceiling).
 
     python -m xformer.op_profile <workdir>/profile          # the newest trace under it
     python -m xformer.op_profile <run folder> --top 40 --json summary.json
@@ -23,6 +26,7 @@ import collections
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import sys
@@ -51,6 +55,8 @@ class Op:
     shapes: str  # every shape in the op and its fused body (for shape-based categories)
     source: str  # innermost user frame "path:function:line", path relative to the package
     op_name: str  # jax's op name path, e.g. "jit(train_step)/transpose(jvp())/dot_general"
+    bytes: int = 0  # its operands' and result's sizes: what it reads and writes at least
+    flops: int = 0  # 2 x multiply-adds of its matmuls (dots, GEMM custom calls)
 
 
 def _frames(hlo: str) -> dict[int, str]:
@@ -95,11 +101,46 @@ def _kind(opcode: str, target: str, body_opcodes: set[str]) -> str:
     return "elementwise"
 
 
+def _bytes(shape: str) -> int:
+    """Bytes of every array in an HLO shape ("f32[2,3]", "(bf16[4], s8[16])"): 1 for pred."""
+    total = 0
+    for dtype, dims in re.findall(r"([a-z]\w*)\[([\d,]*)\]", shape):
+        bits = re.search(r"\d+", dtype)
+        size = 1 if dtype == "pred" or not bits else max(int(bits[0]) // 8, 1)
+        total += size * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _dims(shape: str) -> list[int]:
+    """The dimensions of the first array of a shape."""
+    dims = re.search(r"\[([\d,]*)\]", shape)
+    return [int(d) for d in dims[1].split(",") if d] if dims else []
+
+
+def _operands(opcode: str, line: str) -> list[str]:
+    args = re.search(rf" {re.escape(opcode)}\(([^)]*)\)", line)
+    return re.findall(r"%([\w.\-]+)", args[1]) if args else []
+
+
+def _dot_flops(line: str, opcode: str, shape: str, shapes: dict[str, str]) -> int:
+    """2 x output elements x contracted size, for a dot or a cuBLAS/cuDNN GEMM custom call."""
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line) or re.search(
+        r'"lhs_contracting_dimensions":\[([^\]]*)\]', line
+    )
+    operands = _operands(opcode, line)
+    if not contracting or not operands or operands[0] not in shapes:
+        return 0
+    lhs = _dims(shapes[operands[0]])
+    contracted = math.prod(lhs[int(d.strip('" '))] for d in contracting[1].split(",") if d)
+    return 2 * math.prod(_dims(shape)) * contracted
+
+
 def parse_hlo(hlo: str) -> dict[str, Op]:
     """Optimized HLO text -> {instruction name: Op} for every instruction of every computation
-    (a fusion's kind looks inside the computation it calls)."""
+    (a fusion's kind and FLOPs look inside the computation it calls)."""
     frames = _frames(hlo)
     rows, bodies, current = [], collections.defaultdict(list), None
+    shapes: dict[str, str] = {}  # every instruction's result shape, by name
     for line in hlo.splitlines():
         head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
         if head:
@@ -108,23 +149,33 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
         m = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\(", line)
         if m and current is not None:
             shape = re.sub(r"\{[^}]*\}", "", m[2])  # layouts and tiling dropped
-            bodies[current].append((m[3], shape))
+            shapes[m[1]] = shape
+            bodies[current].append((m[3], shape, line))
             rows.append((m[1], shape, m[3], line))
     ops = {}
     for name, shape, opcode, line in rows:
         called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", line)
         body = bodies.get(called[1], []) if called else []
         target = re.search(r'custom_call_target="([^"]*)"', line)
+        kind = _kind(opcode, target[1] if target else "", {o for o, _, _ in body})
+        flops = 0
+        if kind == "matmul":
+            parts = [(o, s, b) for o, s, b in body if o == "dot"] or [(opcode, shape, line)]
+            flops = sum(_dot_flops(b, o, s, shapes) for o, s, b in parts)
         op_name = re.search(r'op_name="([^"]*)"', line)
         frame = re.search(r"stack_frame_id=(\d+)", line)
         ops[name] = Op(
             name=name,
             opcode=opcode,
-            kind=_kind(opcode, target[1] if target else "", {o for o, _ in body}),
+            kind=kind,
             shape=shape,
-            shapes=" ".join([shape, *(s for _, s in body)]),
+            shapes=" ".join([shape, *(s for _, s, _ in body)]),
             source=frames.get(int(frame[1]), "") if frame else "",
             op_name=op_name[1] if op_name else "",
+            bytes=0
+            if kind == "control flow"
+            else _bytes(shape) + sum(_bytes(shapes.get(o, "")) for o in _operands(opcode, line)),
+            flops=flops,
         )
     return ops
 
@@ -241,11 +292,13 @@ def summarise(
         calls[name] += 1 / steps
     total = sum(seconds.values())
     span = (max(e[3] for e in events) - min(e[1] for e in events)) * 1e-9 / steps
-    by_category, rows = collections.Counter(), []
+    by_category, rows = collections.defaultdict(lambda: [0.0, 0.0, 0.0]), []
     for name, s in seconds.most_common():
         op = ops.get(name) or Op(name, "?", "?", "", "", "", "")
         category = next(label for label, test in categories if test(op))
-        by_category[category] += s
+        moved, flops = op.bytes * calls[name], op.flops * calls[name]  # per step
+        for i, value in enumerate((s, moved, flops)):
+            by_category[category][i] += value
         rows.append(
             {
                 "op": name,
@@ -257,8 +310,13 @@ def summarise(
                 "ms_per_step": 1e3 * s,
                 "share": s / total,
                 "calls_per_step": calls[name],
+                **_rates(s, moved, flops),
             }
         )
+    categories_out = [
+        {"category": c, "ms_per_step": 1e3 * s, "share": s / total, **_rates(s, moved, flops)}
+        for c, (s, moved, flops) in sorted(by_category.items(), key=lambda kv: -kv[1][0])
+    ]
     return {
         "trace": xplane,
         "plane": plane,
@@ -267,11 +325,16 @@ def summarise(
         "span_ms_per_step": 1e3 * span,
         "unclaimed_device_ms_per_step": 1e3 * unclaimed * 1e-9 / steps,
         "ops_not_in_hlo": sum(1 for name in seconds if name not in ops),
-        "categories": [
-            {"category": c, "ms_per_step": 1e3 * s, "share": s / total}
-            for c, s in by_category.most_common()
-        ],
+        "categories": categories_out,
         "top_ops": rows[:top],
+    }
+
+
+def _rates(seconds: float, moved: float, flops: float) -> dict:
+    """GB/s of the bytes at the ops' boundaries and GFLOP/s of their matmuls, over `seconds`."""
+    return {
+        "gb_per_s": moved / seconds / 1e9 if seconds else None,
+        "gflop_per_s": flops / seconds / 1e9 if seconds and flops else None,
     }
 
 
@@ -287,22 +350,33 @@ def format_summary(summary: dict) -> str:
             f"device time that no HLO op claims: "
             f"{summary['unclaimed_device_ms_per_step']:.2f} ms/step"
         )
-    lines += ["", "| category | ms/step | share of op time |", "|---|---:|---:|"]
     lines += [
-        f"| {r['category']} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% |"
+        "",
+        "| category | ms/step | share of op time | GB/s | GFLOP/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['category']} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% | "
+        f"{_fmt(r['gb_per_s'])} | {_fmt(r['gflop_per_s'])} |"
         for r in summary["categories"]
     ]
     lines += [
         "",
-        "| op | kind | shape | source (innermost) | jax op | calls/step | ms/step | share |",
-        "|---|---|---|---|---|---:|---:|---:|",
+        "| op | kind | shape | source (innermost) | jax op | calls/step | ms/step | share | "
+        "GB/s | GFLOP/s |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['op']} | {r['kind']} | {r['shape']} | {r['source']} | {r['op_name'][-48:]} | "
-        f"{r['calls_per_step']:g} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% |"
+        f"{r['calls_per_step']:g} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% | "
+        f"{_fmt(r['gb_per_s'])} | {_fmt(r['gflop_per_s'])} |"
         for r in summary["top_ops"]
     ]
     return "\n".join(lines)
+
+
+def _fmt(rate: float | None) -> str:
+    return "" if rate is None else f"{rate:,.0f}"
 
 
 def newest_trace(path: str) -> str:
