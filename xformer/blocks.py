@@ -9,14 +9,15 @@ from flax import nnx
 
 from xformer.attention import MultiHeadAttention
 from xformer.dropout import Dropout
+from xformer.layer_norm import LayerNorm
 from xformer.linear import Linear
 from xformer.positional.base import BoundScheme, PositionalScheme
 from xformer.sharding import logical
 
 
-def layer_norm(d_model: int, *, rngs: nnx.Rngs, **dtypes) -> nnx.LayerNorm:
+def layer_norm(d_model: int, *, rngs: nnx.Rngs, **dtypes) -> LayerNorm:
     """LayerNorm over the last axis (statistics in at least float32, whatever the dtype)."""
-    return nnx.LayerNorm(
+    return LayerNorm(
         d_model,
         epsilon=1e-6,
         scale_init=logical(nnx.initializers.ones_init(), "embed"),
