@@ -318,7 +318,7 @@ CATEGORIES = (  # first match wins; the names of the README's profile table
     ("loss: log-softmax over V", lambda op: op.source.startswith("losses.py")),
     ("dropout masks", lambda op: op.source.startswith("dropout.py")),
     ("attention softmax, masks", lambda op: op.source.startswith(("attention.py", "masks.py"))),
-    ("LayerNorm, residual", lambda op: "Residual" in op.source),
+    ("LayerNorm, residual", lambda op: "Residual" in op.source or "layer_norm" in op.source),
     ("optimizer (Adam)", lambda op: op.source.startswith("train_lib.py")),
     ("other", lambda op: True),
 )
