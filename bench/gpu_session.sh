@@ -46,7 +46,7 @@ case "${1:-}" in
       "$PY" bench/gpu_throughput.py "${quick[@]}" --configs "$model" --dtypes bfloat16 \
         --impls "$impls" --profile 3 --budget-s 200 --out "$OUT/profile_$model.json" \
         >"$OUT/profile_$model.log" 2>&1 || echo "gpu_throughput $model: exit $?"
-      grep -E '^\[|^\| |^profile:|^[0-9]+ steps on' "$OUT/profile_$model.log" | head -n 60
+      grep -E '^\[|^\| |^profile:|^[0-9]+ steps on' "$OUT/profile_$model.log" | head -n 60 || true
     done
     ;;
   cli)
@@ -54,19 +54,22 @@ case "${1:-}" in
     common=(--config.model.dtype=bfloat16 --config.model.attention_impl=fused
       --config.model.attention_dropout=0.0 "--config.train.num_steps=$STEPS"
       --config.train.log_every=50)
-    "$PY" train.py --config=configs/multi30k_ende.py --workdir="$WORK/mt" "${common[@]}" \
-      >"$OUT/mt_train.log" 2>&1
-    "$PY" eval.py --workdir="$WORK/mt" --split=val >"$OUT/mt_eval.log" 2>&1
-    "$PY" train.py --config=configs/ptb_xl.py --workdir="$WORK/ptb" "${common[@]}" \
-      >"$OUT/ptb_train.log" 2>&1
-    "$PY" eval.py --workdir="$WORK/ptb" --split=test >"$OUT/ptb_eval.log" 2>&1
-    for run in mt ptb; do
-      mkdir -p "$OUT/$run" && cp "$WORK/$run"/*.json* "$OUT/$run/" 2>/dev/null || true
+    run() {  # name, command...: its output to $OUT/<name>.log; a failure does not stop the rest
+      local name="$1"
+      shift
+      "$@" >"$OUT/$name.log" 2>&1 || echo "$name: exit $?"
+    }
+    run mt_train "$PY" train.py --config=configs/multi30k_ende.py --workdir="$WORK/mt" "${common[@]}"
+    run mt_eval "$PY" eval.py --workdir="$WORK/mt" --split=val
+    run ptb_train "$PY" train.py --config=configs/ptb_xl.py --workdir="$WORK/ptb" "${common[@]}"
+    run ptb_eval "$PY" eval.py --workdir="$WORK/ptb" --split=test
+    for dir in mt ptb; do
+      mkdir -p "$OUT/$dir" && cp "$WORK/$dir"/*.json* "$OUT/$dir/" 2>/dev/null || true
     done
     for log in mt_train mt_eval ptb_train ptb_eval; do
       echo "== $log"
       grep -E "attention_impl|step $STEPS/|finished|at step|bleu" "$OUT/$log.log" | cut -c1-300 \
-        | tail -n 6
+        | tail -n 6 || true
     done
     ;;
   remat)
@@ -75,7 +78,7 @@ case "${1:-}" in
         --impls fused --set "model.remat=$remat" --budget-s 150 \
         --out "$OUT/remat_$remat.json" >"$OUT/remat_$remat.log" 2>&1 || echo "remat $remat: exit $?"
       echo "== model.remat=$remat"
-      grep -E '^\[|^\| wmt14' "$OUT/remat_$remat.log" | head -n 3
+      grep -E '^\[|^\| wmt14' "$OUT/remat_$remat.log" | head -n 3 || true
     done
     ;;
   *)

@@ -30,13 +30,14 @@ def _forward(x, scale, bias, eps):
     rstd = jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + eps)
     normalized = centred * rstd
     y = (normalized * scale.astype(stats) + bias.astype(stats)).astype(x.dtype)
-    return y, (normalized, rstd, scale)
+    # kept in x's dtype: a bfloat16 model keeps half the bytes (its activations are bf16 anyway)
+    return y, (normalized.astype(x.dtype), rstd, scale)
 
 
 def _backward(eps, residuals, g):
     normalized, rstd, scale = residuals
-    x_dtype, g = g.dtype, g.astype(normalized.dtype)  # y and so g have x's dtype
-    scale32 = scale.astype(normalized.dtype)
+    x_dtype, g = g.dtype, g.astype(rstd.dtype)  # y and so g have x's dtype
+    normalized, scale32 = normalized.astype(rstd.dtype), scale.astype(rstd.dtype)
     rows = tuple(range(g.ndim - 1))
     d_scale = (g * normalized).sum(rows).astype(scale.dtype)
     d_bias = g.sum(rows).astype(scale.dtype)
