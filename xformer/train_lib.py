@@ -48,8 +48,9 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
     k = exp.config.train.grad_accum_steps
     key = jax.random.fold_in(jax.random.key(exp.config.train.seed), state["step"])
 
-    def grads_and_sums(rows: dict, carry: dict, key: jax.Array) -> tuple:
-        """Gradients of the summed loss of `rows`, (its sums, their new carry)."""
+    def grads_and_sums(rows: dict, carry: dict, key: jax.Array, per_token: bool) -> tuple:
+        """Gradients of the summed loss of `rows` (divided by their token count if per_token),
+        (its sums, their new carry)."""
 
         def loss_fn(params):
             # copy: new RNG variables at this trace level (reseed updates them; under grad or
@@ -59,10 +60,15 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
             loss_sum, sums, carry_out = task.loss_terms(model, rows, carry)
             return loss_sum, ({"loss_sum": loss_sum, **sums}, carry_out)
 
-        return jax.grad(loss_fn, has_aux=True)(state["params"])
+        loss_sum, backward, (sums, carry_out) = jax.vjp(loss_fn, state["params"], has_aux=True)
+        # 1/tokens as the cotangent: the division rides on the loss's backward instead of a
+        # pass over every gradient
+        tokens = jnp.maximum(sums["tokens"].astype(loss_sum.dtype), 1.0)  # a float32 count
+        (grads,) = backward(1.0 / tokens if per_token else jnp.ones_like(loss_sum))
+        return grads, (sums, carry_out)
 
     if k == 1:
-        grads, (sums, carry) = grads_and_sums(batch, state["carry"], key)
+        grads, (sums, carry) = grads_and_sums(batch, state["carry"], key, per_token=True)
     else:
         axes = task.carry_batch_axes
         micro = (
@@ -73,18 +79,22 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
 
         def accumulate(total, xs):
             i, rows, carry = xs
-            grads, (sums, carry) = grads_and_sums(rows, carry, jax.random.fold_in(key, i))
+            micro_key = jax.random.fold_in(key, i)
+            grads, (sums, carry) = grads_and_sums(rows, carry, micro_key, per_token=False)
             return jax.tree.map(jnp.add, total, (grads, sums)), carry
 
         _, rows, carry = jax.tree.map(lambda x: x[0], micro)
-        grad_shapes, (sum_shapes, _) = jax.eval_shape(grads_and_sums, rows, carry, key)
+        grad_shapes, (sum_shapes, _) = jax.eval_shape(
+            functools.partial(grads_and_sums, per_token=False), rows, carry, key
+        )
         zeros = jax.tree.map(  # bfloat16 gradients add up in float32
             lambda s: jnp.zeros(s.shape, at_least_float32(s.dtype)), (grad_shapes, sum_shapes)
         )
         (grads, sums), carry = jax.lax.scan(accumulate, zeros, micro)
         carry = {name: join_rows(x, axes[name]) for name, x in carry.items()}
-    tokens = jnp.maximum(sums["tokens"], 1.0)
-    grads = jax.tree.map(lambda g, p: (g / tokens).astype(p.dtype), grads, state["params"])
+        tokens = jnp.maximum(sums["tokens"], 1.0)
+        grads = jax.tree.map(lambda g: g / tokens, grads)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
     grad_norm = optax.tree_utils.tree_norm(grads)
     # A non-finite loss or gradient never reaches the parameters or Adam's state: the step is
     # skipped (the counter and the data move on; a non-finite carry entry restarts from 0).
