@@ -63,8 +63,11 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
         loss_sum, backward, (sums, carry_out) = jax.vjp(loss_fn, state["params"], has_aux=True)
         # 1/tokens as the cotangent: the division rides on the loss's backward instead of a
         # pass over every gradient
-        tokens = jnp.maximum(sums["tokens"].astype(loss_sum.dtype), 1.0)  # a float32 count
-        (grads,) = backward(1.0 / tokens if per_token else jnp.ones_like(loss_sum))
+        if per_token:  # the count is float32: divide in the loss's dtype (float64 stays exact)
+            cotangent = 1.0 / jnp.maximum(sums["tokens"].astype(loss_sum.dtype), 1.0)
+        else:
+            cotangent = jnp.ones_like(loss_sum)
+        (grads,) = backward(cotangent)
         return grads, (sums, carry_out)
 
     if k == 1:
