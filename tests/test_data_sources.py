@@ -100,6 +100,20 @@ def test_source_pickles(multi30k_data_dir):
     assert len(clone) == len(src) and clone[17] == src[17]
 
 
+def test_text_features_reads_exactly_one_byte_string_per_key():
+    from tensorflow_datasets.proto import tf_example_pb2
+
+    example = tf_example_pb2.Example()
+    example.features.feature["en"].bytes_list.value.append("Zwei Männer".encode())
+    example.features.feature["two"].bytes_list.value.extend([b"a", b"b"])
+    record = example.SerializeToString()
+    assert readers.text_features(record, ["en"]) == ["Zwei Männer".encode()]
+    with pytest.raises(ValueError, match="one byte string in feature 'two'.*got 2"):
+        readers.text_features(record, ["en", "two"])
+    with pytest.raises(ValueError, match=r"feature 'de' of a record, got 0 \(features: \['en'"):
+        readers.text_features(record, ["de"])
+
+
 @needs_multi30k
 def test_unknown_split_lists_valid_splits(multi30k_data_dir):
     with pytest.raises(ValueError, match="test_2016_flickr") as info:

@@ -44,13 +44,13 @@ _READ_BATCH = 4096
 class TranslationSource:
     """Random-access view of one split whose records are ``{lang: str}`` dicts.
 
-    Wraps a TFDS ``ArrayRecordDataSource``; only the two supervised-key fields
-    are returned, decoded from UTF-8.  Supports ``len``, integer indexing (also
-    negative) and ``__getitems__`` (batched reads); it pickles, so it can be
-    handed to grain.
+    Wraps a TFDS ``ArrayRecordDataSource`` of serialized records; only the two
+    supervised-key fields are parsed (``text_features``), decoded from UTF-8.
+    Supports ``len``, integer indexing (also negative) and ``__getitems__``
+    (batched reads); it pickles, so it can be handed to grain.
     """
 
-    source: Any  # tfds ArrayRecordDataSource; its records have bytes values
+    source: Any  # tfds ArrayRecordDataSource of serialized tf.train.Example records
     dataset: str
     split: str
     source_lang: str
@@ -64,8 +64,9 @@ class TranslationSource:
     def __len__(self) -> int:
         return len(self.source)
 
-    def _convert(self, record: dict[str, Any]) -> dict[str, str]:
-        return {lang: _to_str(record[lang]) for lang in self.languages}
+    def _convert(self, record: bytes) -> dict[str, str]:
+        texts = text_features(record, self.languages)
+        return {lang: t.decode("utf-8") for lang, t in zip(self.languages, texts, strict=True)}
 
     def __getitem__(self, index: int) -> dict[str, str]:
         n = len(self)
@@ -95,16 +96,6 @@ class TranslationSource:
             f"TranslationSource(dataset={self.dataset!r}, split={self.split!r}, "
             f"{self.source_lang}->{self.target_lang}, len={len(self)})"
         )
-
-
-def _to_str(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    if isinstance(value, str):
-        return value
-    if hasattr(value, "item"):  # numpy scalar / 0-d array
-        return _to_str(value.item())
-    raise TypeError(f"expected a text value, got {type(value).__name__}")
 
 
 def _check_split(kind: str, name: str, split: str, valid: Sequence[str]) -> None:
@@ -182,10 +173,40 @@ def translation_source(
         raise ValueError(
             f"{dataset!r} does not have (source, target) text supervised keys: {keys!r}"
         )
-    source = builder.as_data_source(split=split)
+    source = _serialized_records(builder, split)
     return TranslationSource(
         source=source, dataset=dataset, split=split, source_lang=keys[0], target_lang=keys[1]
     )
+
+
+def _serialized_records(builder: Any, split: str) -> Any:
+    """The split's records as TFDS wrote them, left for ``text_features`` to parse."""
+    from tensorflow_datasets.core import decode
+
+    raw = decode.DeserializeMethod.RAW_BYTES
+    return builder.as_data_source(split=split, deserialize_method=raw)
+
+
+def text_features(record: bytes, keys: Sequence[str]) -> list[bytes]:
+    """The byte strings of features ``keys`` of one serialized ``tf.train.Example`` record,
+    which is how TFDS stores ``Text`` and scalar string features.
+
+    Reading just these fields from the proto is about 5x faster than TFDS's general
+    decoder (0.1 ms a record), which was most of a small run's start-up.
+    """
+    from tensorflow_datasets.proto import tf_example_pb2
+
+    features = tf_example_pb2.Example.FromString(record).features.feature
+    out = []
+    for key in keys:
+        values = features[key].bytes_list.value if key in features else ()
+        if len(values) != 1:
+            raise ValueError(
+                f"expected one byte string in feature {key!r} of a record, got {len(values)} "
+                f"(features: {sorted(features)})"
+            )
+        out.append(values[0])
+    return out
 
 
 def read_all(source: Any, batch_size: int = _READ_BATCH) -> list[dict[str, Any]]:
@@ -234,7 +255,7 @@ def read_corpus(
     info = corpus_info(name)
     _check_split("corpus", name, split, info.splits)
     builder = prepare_corpus(name, data_dir=data_dir, manual_dir=manual_dir)
-    records = read_all(builder.as_data_source(split=split))
+    records = read_all(_serialized_records(builder, split))
     if info.tokenization == "whitespace":
-        return [r["text"].decode("utf-8") for r in records]
-    return b"".join(r["bytes"] for r in records)
+        return [text_features(r, ["text"])[0].decode("utf-8") for r in records]
+    return b"".join(text_features(r, ["bytes"])[0] for r in records)
