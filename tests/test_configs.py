@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import pytest
 from flax import nnx
+from test_train_eval import shared_vocab_dir
 
 from xformer import config as config_lib
 from xformer import model_config
@@ -61,6 +62,7 @@ def test_wmt14_base_model_trains_on_multi30k_data(tmp_path, tfds_dir, multi30k_d
     multi30k = load(Path(__file__).resolve().parents[1] / "configs" / "multi30k_ende.py")
     config.data = multi30k.get_config().data
     config.data.data_dir = tfds_dir
+    config.data.vocab_dir = shared_vocab_dir(tfds_dir)
     config.data.vocab_size = 1000
     config.data.eval_split = "val[:8]"
     config.data.max_train_length = 32

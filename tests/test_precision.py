@@ -17,6 +17,7 @@ from references import numpy_encoder_decoder, numpy_language_model
 from test_configs import load
 from test_language_modeling import tiny_config
 from test_positional import RELATIVE_SCHEMES, SETTINGS, attention_case
+from test_train_eval import shared_vocab_dir
 
 from xformer import masks, precision
 from xformer.attention import dot_product_attention
@@ -386,7 +387,7 @@ def _tiny_real_config(family: str, tfds_dir: str, dtype: str):
         config = tiny_config(tfds_dir)
     else:
         config = load(ROOT / "configs" / "multi30k_ende.py").get_config()
-        config.data.data_dir = tfds_dir
+        config.data.data_dir, config.data.vocab_dir = tfds_dir, shared_vocab_dir(tfds_dir)
         config.data.vocab_size, config.data.max_train_length = 400, 32
         for key, value in dict(d_model=32, num_heads=4, d_ff=64, num_encoder_layers=1).items():
             config.model[key] = value

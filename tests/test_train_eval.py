@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOUR_DEVICES = {
     "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
 }
+EVAL_SPLIT = "val[:128]"  # its metrics are logged as "val[:128]/nll" etc.
 TINY = [
     "--config.model.d_model=32",
     "--config.model.num_heads=4",
@@ -36,6 +37,7 @@ TINY = [
     "--config.train.log_every=1",
     "--config.train.warmup_steps=2",
     "--config.train.max_train_seconds=0",
+    f"--config.data.eval_split={EVAL_SPLIT}",
     "--config.eval.batch_size=16",
     "--config.eval.bleu_sentences=16",
     "--config.eval.max_decode_extra=5",
@@ -54,13 +56,23 @@ def run(args, env_extra=None, **kwargs):
     )
 
 
-def train_cmd(workdir, tfds_dir, *extra):
+def shared_vocab_dir(tfds_dir) -> str:
+    """Where a test worker's runs keep their SentencePiece models (data.vocab_dir): trained once
+    per worker and data directory (about 12 s on a slow machine), not once per workdir."""
+    return os.path.join(tfds_dir, "vocab")
+
+
+def train_cmd(workdir, tfds_dir, *extra, shared_vocab=True):
+    """train.py on Multi30k with the TINY model; `shared_vocab=False` keeps the tokenizers in
+    the workdir, as a run does by default."""
+    vocab = [f"--config.data.vocab_dir={shared_vocab_dir(tfds_dir)}"] if shared_vocab else []
     return [
         "train.py",
         "--config=configs/multi30k_ende.py",
         f"--workdir={workdir}",
         f"--config.data.data_dir={tfds_dir}",
         *TINY,
+        *vocab,
         *extra,
     ]
 
