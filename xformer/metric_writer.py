@@ -2,11 +2,32 @@
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
-from tensorboardX import SummaryWriter
-from tensorboardX.summary import hparams as hparams_summaries
+
+
+def _import_tensorboardx():
+    """tensorboardX, imported without torch: its writer imports torch wherever torch is
+    installed (4-5 s and a thread pool in every train.py and eval.py) only to accept torch
+    tensors, and xformer writes floats and text. Hidden, `import torch` raises ImportError,
+    which tensorboardX handles; a process that imported torch already keeps it."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        import tensorboardX
+        import tensorboardX.summary
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return tensorboardX
+
+
+_tensorboardx = _import_tensorboardx()
+SummaryWriter = _tensorboardx.SummaryWriter
+hparams_summaries = _tensorboardx.summary.hparams
 
 
 class MetricWriter:

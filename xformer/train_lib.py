@@ -289,8 +289,8 @@ def train_and_evaluate(
     """Train (resuming from the workdir's last checkpoint) and return final validation metrics
     (with "stopped": "signal", "max_train_seconds" or None). A workdir with checkpoints resumes
     only the same run (experiment.check_workdir) unless `accept_config_changes`."""
-    # Imported here: tensorboardX (which imports torch where it is installed) serves the loop
-    # only, not the users of train_step (bench/gpu_throughput.py runs where it is missing).
+    # Imported here: tensorboardX serves the loop only, not the users of train_step
+    # (bench/gpu_throughput.py runs where it is missing).
     from xformer.metric_writer import MetricWriter
 
     config_lib.validate(config)

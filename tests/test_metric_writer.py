@@ -1,0 +1,56 @@
+"""MetricWriter: every scalar in metrics.jsonl and in TensorBoard's event file, and tensorboardX
+imported without torch (which it would otherwise import wherever torch is installed)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_sweep import read_events
+
+from xformer.metric_writer import MetricWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_scalars_reach_the_jsonl_file_and_the_event_file(tmp_path):
+    rng = np.random.default_rng()
+    rows = {step: {"loss": rng.normal(), "lr": np.float32(rng.uniform())} for step in (1, 5, 9)}
+    writer = MetricWriter(str(tmp_path))
+    for step, metrics in rows.items():
+        writer.write(step, metrics, prefix="train/")
+    writer.close()
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(rows)
+    for line, metrics in zip(lines, rows.values(), strict=True):
+        assert line["train/loss"] == float(metrics["loss"])
+        assert line["train/lr"] == float(metrics["lr"])
+    logged = {
+        (v.tag, e.step): v.simple_value
+        for e in read_events(tmp_path / "tensorboard")
+        for v in e.summary.value
+    }
+    expected = {
+        (f"train/{k}", step): v for step, metrics in rows.items() for k, v in metrics.items()
+    }
+    assert logged.keys() == expected.keys()
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(float(value), rel=1e-6), key  # float32 on disk
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_tensorboardx_is_imported_without_torch():
+    code = "import sys, xformer.metric_writer; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+    code = "import sys, torch, xformer.metric_writer as m; print(m.SummaryWriter.__module__)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "tensorboardX.writer"  # a process with torch keeps it
