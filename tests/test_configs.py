@@ -64,14 +64,14 @@ def test_wmt14_base_model_trains_on_multi30k_data(tmp_path, tfds_dir, multi30k_d
     config.data.data_dir = tfds_dir
     config.data.vocab_dir = shared_vocab_dir(tfds_dir)
     config.data.vocab_size = 1000
-    config.data.eval_split = "val[:8]"
+    config.data.eval_split = "val[:2]"  # decoding a base model unoptimized (-O0) is slow
     config.data.max_train_length = 32
     config.train.batch_size = 2
     config.train.num_steps = 3
     config.train.log_every = 1
-    config.eval.batch_size = 8
+    config.eval.batch_size = 2
     config.eval.max_decode_extra = 3
-    config.eval.bleu_sentences = 8
+    config.eval.bleu_sentences = 2
     result = train_and_evaluate(config, str(tmp_path))
     assert result["step"] == 3
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
