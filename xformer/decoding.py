@@ -80,24 +80,26 @@ def gather_beams(tree: Cache, parent: jax.Array) -> Cache:
       The pytree with leaves ``[B * n, ...]``; new row ``b * n + i`` is old row
       ``b * beam + parent[b, i]``.
     """
-    batch_size, _ = parent.shape
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.ndim(x) > 0]
-    if not leaves:
-        return tree
-    beam_size = leaves[0].shape[0] // batch_size
-    flat = (jnp.arange(batch_size, dtype=jnp.int32)[:, None] * beam_size + parent).reshape(-1)
+    batch_size, n = parent.shape
 
     def gather(x: Any) -> Any:
         x = jnp.asarray(x)
-        return x if x.ndim == 0 else jnp.take(x, flat, axis=0)
+        if x.ndim == 0:
+            return x
+        rows = _take(x.reshape(batch_size, -1, *x.shape[1:]), parent)
+        return rows.reshape(batch_size * n, *x.shape[1:])
 
     return jax.tree.map(gather, tree)
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """Per-row gather along axis 1: ``x [B, m, ...]``, ``idx [B, n]`` -> ``[B, n, ...]``."""
-    rows = jnp.arange(x.shape[0])[:, None]
-    return x[rows, idx]
+    """Per-row gather along axis 1: ``x [B, m, ...]``, ``idx [B, n]`` -> ``[B, n, ...]``.
+
+    The batch is a batching dimension of the gather (vmap), so a batch-sharded search
+    gathers within each device's rows; indexing with global row numbers made the SPMD
+    partitioner all-gather every operand, the caches of all layers included, at every step.
+    """
+    return jax.vmap(lambda row, i: row[i])(x, idx)
 
 
 def greedy_search(
