@@ -293,6 +293,7 @@ import json, re, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from xformer.decoding import beam_search
+from xformer.sharding import row_local_top_k
 
 B, K, T, V, D = 8, 3, 7, 50, 16
 rng = np.random.default_rng(int(sys.argv[1]))
@@ -303,27 +304,31 @@ def step_fn(tokens, cache, t):
     state = jnp.tanh(cache["state"] + emb[tokens])  # [N, D]: the prefix, carried by the cache
     return jax.nn.log_softmax(state @ out), {"state": state}
 
-def search(cache):
-    return beam_search(step_fn, cache, B, K, T, bos_id=2, eos_id=1, alpha=0.6)
+def search(cache, top_k=jax.lax.top_k):
+    return beam_search(step_fn, cache, B, K, T, bos_id=2, eos_id=1, alpha=0.6, top_k=top_k)
 
 cache = {"state": jnp.asarray(rng.normal(size=(B, D)), jnp.float32)}
 want = jax.jit(search)(cache)
-mesh = Mesh(np.array(jax.devices()), ("data",))
-sharded = jax.device_put(cache, NamedSharding(mesh, P("data")))
-compiled = jax.jit(search).lower(sharded).compile()
-got = compiled(sharded)
-collectives = re.findall(r"= (\\S+) (all-gather|all-reduce|all-to-all)\\(", compiled.as_text())
-print(json.dumps({
-    "equal": [bool(np.array_equal(a, b)) for a, b in zip(want, got)],
-    "collectives": [shape for shape, _ in collectives],
-}))
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 1), ("data", "fsdp", "tensor"))
+sharded = jax.device_put(cache, NamedSharding(mesh, P(("data", "fsdp"))))
+report = {}
+for name, top_k in [("xla", jax.lax.top_k), ("row_local", row_local_top_k(mesh))]:
+    compiled = jax.jit(lambda c: search(c, top_k)).lower(sharded).compile()
+    got = compiled(sharded)
+    collectives = re.findall(r"= (\\S+) (all-gather|all-reduce|all-to-all)\\(", compiled.as_text())
+    report[name] = {
+        "equal": [bool(np.array_equal(a, b)) for a, b in zip(want, got)],
+        "collectives": [shape for shape, _ in collectives],
+    }
+print(json.dumps(report))
 """
 
 
 def test_batch_sharded_beam_search_gathers_no_cache_and_equals_one_device():
-    """On 4 devices with the batch sharded, beam search returns exactly the one-device result
-    and moves no cache rows between devices: reordering beams stays within each device's rows
-    (an all-gather of every cache leaf at every step is what global row indices cost)."""
+    """On 4 devices (data 2 x fsdp 2) with the batch sharded, beam search returns exactly the
+    one-device result and moves no cache rows between devices: reordering beams stays within
+    each device's rows (an all-gather of every cache leaf at every step is what global row
+    indices cost); with `row_local_top_k` only the early-exit flag crosses devices."""
     import json
     import os
     import subprocess
@@ -340,8 +345,13 @@ def test_batch_sharded_beam_search_gathers_no_cache_and_equals_one_device():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["equal"] == [True, True]
-    # Neither the beam cache f32[B * K, D] nor the token sequences s32[B, K, T] (nor any other
-    # index array) cross devices. (top_k's operands still do: XLA replicates top_k.)
-    moved = [s for s in report["collectives"] if s.startswith(("f32[24,16]", "s32["))]
-    assert moved == [], report["collectives"]
+    for name, run in report.items():
+        assert run["equal"] == [True, True], name
+        # Neither the beam cache f32[B * K, D] nor the token sequences s32[B, K, T] (nor any
+        # other index array) cross devices.
+        moved = [s for s in run["collectives"] if s.startswith(("f32[24,16]", "s32["))]
+        assert moved == [], (name, run["collectives"])
+    # XLA replicates top_k, gathering e.g. the log-probs f32[8,3,50]; row-local top_k leaves
+    # only the early-exit flag.
+    assert "f32[8,3,50]{2,1,0}" in report["xla"]["collectives"]
+    assert report["row_local"]["collectives"] == ["pred[]"]

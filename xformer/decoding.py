@@ -170,6 +170,7 @@ def beam_search(
     pad_id: int = 0,
     *,
     early_exit: bool = True,
+    top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with GNMT length penalty (semantics in the module docstring).
 
@@ -183,6 +184,8 @@ def beam_search(
       bos_id, eos_id, pad_id: special token ids.
       alpha: length-penalty exponent (0 disables the penalty).
       early_exit: stop the loop once no row can improve (exact: never changes the result).
+      top_k: ``jax.lax.top_k`` or an equivalent over the last axis of ``[B, ...]`` arrays
+        (``sharding.row_local_top_k`` for a batch split over devices).
 
     Returns:
       ``(tokens [B, K, max_len] int32, scores [B, K] float32)`` sorted best first. Tokens
@@ -213,10 +216,10 @@ def beam_search(
         # Best 2K extensions: the top-2K overall contain at most 2K tokens per beam, so
         # take a per-beam top-c first (exact token order, ties -> lower id, like argmax).
         c = min(2 * K, V)
-        beam_lp, beam_tok = jax.lax.top_k(log_probs, c)  # [B, K, c]
+        beam_lp, beam_tok = top_k(log_probs, c)  # [B, K, c]
         flat_scores = (alive_scores[:, :, None] + beam_lp).reshape(B, K * c)
         n = min(2 * K, K * c)
-        cand_scores, cand_idx = jax.lax.top_k(flat_scores, n)  # [B, n], best first
+        cand_scores, cand_idx = top_k(flat_scores, n)  # [B, n], best first
         cand_tok = _take(beam_tok.reshape(B, K * c), cand_idx)
         cand_parent = cand_idx // c
         cand_eos = cand_tok == eos_id
@@ -229,7 +232,7 @@ def beam_search(
 
         # The K best non-EOS extensions stay alive (at least K of the 2K are non-EOS).
         alive_cand = jnp.where(cand_eos, NEG_INF, cand_scores)
-        alive_scores, alive_idx = jax.lax.top_k(alive_cand, K)  # [B, K]
+        alive_scores, alive_idx = top_k(alive_cand, K)  # [B, K]
         last = _take(cand_tok, alive_idx)
         parent = _take(cand_parent, alive_idx)
         alive_seqs = _take(alive_seqs, parent).at[:, :, t].set(last)
@@ -242,7 +245,7 @@ def beam_search(
         # Merge; existing hypotheses come first so that ties keep them (top_k is stable).
         all_scores = jnp.concatenate([fin_scores, eos_scores, final_scores], axis=1)
         all_seqs = jnp.concatenate([fin_seqs, eos_seqs, alive_seqs], axis=1)
-        fin_scores, keep = jax.lax.top_k(all_scores, K)
+        fin_scores, keep = top_k(all_scores, K)
         fin_seqs = _take(all_seqs, keep)
 
         if early_exit:

@@ -79,6 +79,25 @@ def batch_rows(mesh: Mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
+def row_local_top_k(mesh: Mesh) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
+    """`jax.lax.top_k` on each device's rows (dimension 0 over data x fsdp). XLA's SPMD
+    partitioner replicates top_k, all-gathering its whole operand (a beam search's [rows, beam,
+    vocabulary] log-probabilities at every step); rows are independent, so each device can
+    take its own rows' top k."""
+    if batch_rows(mesh) == 1:
+        return jax.lax.top_k
+    spec = P(BATCH_AXES)
+
+    def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        def local(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+            values, indices = jax.lax.top_k(rows, k)
+            return values, indices
+
+        return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(spec, spec))(x)
+
+    return top_k
+
+
 def mesh_spec(logical_spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     """Logical axis names -> mesh axes by RULES, each mesh axis used at most once; a dimension
     that does not divide over its axis (or an axis of size 1) is replicated. FSDP shards every

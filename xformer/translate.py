@@ -126,7 +126,16 @@ class Translator:
         if self.beam_size == 1:
             return greedy_search(step_fn, cache, b, max_len, BOS_ID, EOS_ID, PAD_ID)
         tokens, _ = beam_search(
-            step_fn, cache, b, self.beam_size, max_len, BOS_ID, EOS_ID, self.alpha, PAD_ID
+            step_fn,
+            cache,
+            b,
+            self.beam_size,
+            max_len,
+            BOS_ID,
+            EOS_ID,
+            self.alpha,
+            PAD_ID,
+            top_k=sharding.row_local_top_k(self.batch_sharding.mesh),
         )
         return tokens[:, 0]
 
