@@ -191,8 +191,9 @@ def text_features(record: bytes, keys: Sequence[str]) -> list[bytes]:
     """The byte strings of features ``keys`` of one serialized ``tf.train.Example`` record,
     which is how TFDS stores ``Text`` and scalar string features.
 
-    Reading just these fields from the proto is about 5x faster than TFDS's general
-    decoder (0.1 ms a record), which was most of a small run's start-up.
+    Reading just these fields from the proto is about 4x faster than TFDS's general
+    decoder (Multi30k's 29,000 training pairs: 0.63 s instead of 2.5 s), which was a large
+    part of a small run's start-up.
     """
     from tensorflow_datasets.proto import tf_example_pb2
 
