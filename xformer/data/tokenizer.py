@@ -82,9 +82,13 @@ def cached_tokenizer(
     vocab_size: int,
     max_chars: int,
     train_if_missing: bool = True,
+    corpus: str = "",
 ) -> Tokenizer:
-    """Load `<cache_dir>/<name>-<vocab_size>.model`, training it from texts_fn() if absent."""
-    key = hashlib.sha1(f"{name}|{vocab_size}|{max_chars}".encode()).hexdigest()[:8]
+    """Load `<cache_dir>/<name>-<vocab_size>-<key>.model`, training it from texts_fn() if
+    absent. The key hashes name, vocab_size, max_chars and `corpus` (when not empty: what the
+    texts are, e.g. a split slice, for models that differ in nothing else)."""
+    fields = [name, str(vocab_size), str(max_chars)] + ([corpus] if corpus else [])
+    key = hashlib.sha1("|".join(fields).encode()).hexdigest()[:8]
     path = os.path.join(cache_dir, f"{name}-{vocab_size}-{key}.model")
     if os.path.exists(path):
         return Tokenizer(path)

@@ -40,6 +40,9 @@ def load_tokenizers(
         return texts_fn
 
     name = d.dataset.replace("/", "_")
+    # A shared vocab_dir also serves runs on other slices of the dataset, which need their own
+    # models; a workdir's own cache holds the one its run trained, under the name it had.
+    corpus = d.train_split if d.vocab_dir and d.train_split != "train" else ""
     if d.vocab == "joint":
         pair = f"{name}-{d.source_lang}{d.target_lang}"
         tok = cached_tokenizer(
@@ -49,6 +52,7 @@ def load_tokenizers(
             d.vocab_size,
             d.max_corpus_chars,
             train_if_missing,
+            corpus,
         )
         return tok, tok
     src, tgt = (
@@ -59,6 +63,7 @@ def load_tokenizers(
             d.vocab_size,
             d.max_corpus_chars,
             train_if_missing,
+            corpus,
         )
         for lang in (d.source_lang, d.target_lang)
     )

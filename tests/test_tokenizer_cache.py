@@ -1,0 +1,76 @@
+"""Where load_tokenizers finds or trains its SentencePiece models: one per training corpus in a
+shared data.vocab_dir, the workdir's own model whatever the split, and names that earlier runs
+wrote still found."""
+
+import hashlib
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from xformer import config as config_lib
+from xformer.data import translation
+
+VOCAB = 64  # one joint model: 2 x 26 letters, specials, a few words
+WORDS = "the a dog cat runs jumps over under red blue small big house tree river".split()
+
+
+def fake_split_text(calls: list[str]):
+    """split_text over a made-up corpus whose words depend on the split (no dataset needed)."""
+
+    def split_text(config, split):
+        calls.append(split)
+        rng = np.random.default_rng(zlib.crc32(split.encode()))
+        words = WORDS[: 8 if split.startswith("train[:") else len(WORDS)]
+        lines = [" ".join(rng.choice(words, size=6)) for _ in range(300)]
+        return lines, [line.upper() for line in lines]
+
+    return split_text
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[str]:
+    made: list[str] = []
+    monkeypatch.setattr(translation, "split_text", fake_split_text(made))
+    return made
+
+
+def _config(split: str, vocab_dir: str = ""):
+    config = config_lib.base_config()
+    config.data.train_split, config.data.vocab_dir, config.data.vocab_size = split, vocab_dir, VOCAB
+    return config
+
+
+def _model_files(directory) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.endswith(".model"))
+
+
+def test_a_shared_vocab_dir_keeps_one_model_per_training_slice(tmp_path, calls):
+    shared = str(tmp_path / "shared")
+    small, _ = translation.load_tokenizers(_config("train[:100]", shared), str(tmp_path / "a"))
+    full, _ = translation.load_tokenizers(_config("train", shared), str(tmp_path / "b"))
+    assert calls == ["train[:100]", "train"]  # the second run did not take the first's model
+    assert small.path != full.path and len(_model_files(shared)) == 1 + 1
+    pieces = [{t.sp.id_to_piece(i) for i in range(t.vocab_size)} for t in (small, full)]
+    assert not any("i" in p for p in pieces[0]) and any("i" in p for p in pieces[1])  # "river"
+    again, _ = translation.load_tokenizers(_config("train[:100]", shared), str(tmp_path / "c"))
+    assert calls == ["train[:100]", "train"] and again.path == small.path  # loaded, not trained
+
+
+def test_names_of_existing_models_are_kept(tmp_path, calls):
+    """A workdir's own cache and a shared one on the default split keep the file names they had
+    before the split entered the key, so runs resume and eval.py finds their models."""
+    config = config_lib.base_config()
+    d = config.data
+    pair = f"{d.dataset.replace('/', '_')}-{d.source_lang}{d.target_lang}"
+    key = hashlib.sha1(f"{pair}|{VOCAB}|{d.max_corpus_chars}".encode()).hexdigest()[:8]
+    name = f"{pair}-{VOCAB}-{key}"
+    own, _ = translation.load_tokenizers(_config("train[:100]"), str(tmp_path / "run"))
+    assert os.path.basename(own.path) == name + ".model"
+    resumed, _ = translation.load_tokenizers(
+        _config("train"), str(tmp_path / "run"), train_if_missing=False
+    )
+    assert resumed.path == own.path and calls == ["train[:100]"]
+    shared, _ = translation.load_tokenizers(_config("train", str(tmp_path / "v")), "unused")
+    assert os.path.basename(shared.path) == name + ".model"
