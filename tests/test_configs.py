@@ -63,7 +63,7 @@ def test_wmt14_base_model_trains_on_multi30k_data(tmp_path, tfds_dir, multi30k_d
     config.data = multi30k.get_config().data
     config.data.data_dir = tfds_dir
     config.data.vocab_dir = shared_vocab_dir(tfds_dir)
-    config.data.vocab_size = 1000
+    config.data.vocab_size = 400  # the TINY runs' size: their shared model
     config.data.eval_split = "val[:2]"  # decoding a base model unoptimized (-O0) is slow
     config.data.max_train_length = 32
     config.train.batch_size = 2

@@ -1,10 +1,14 @@
 """Where load_tokenizers finds or trains its SentencePiece models: one per training corpus in a
-shared data.vocab_dir, the workdir's own model whatever the split, and names that earlier runs
-wrote still found."""
+shared data.vocab_dir, the workdir's own model whatever the split, names that earlier runs wrote
+still found, and jobs that start together training a shared model once."""
 
 import hashlib
 import os
+import subprocess
+import sys
+import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,3 +78,44 @@ def test_names_of_existing_models_are_kept(tmp_path, calls):
     assert resumed.path == own.path and calls == ["train[:100]"]
     shared, _ = translation.load_tokenizers(_config("train", str(tmp_path / "v")), "unused")
     assert os.path.basename(shared.path) == name + ".model"
+
+
+# One job of `test_jobs_sharing_a_cache_train_a_missing_model_once`: it marks that it trains
+# (inside the lock) and holds the lock a second before handing SentencePiece the corpus.
+JOB = """
+import sys, time
+from pathlib import Path
+from xformer.data.tokenizer import cached_tokenizer
+directory, index = sys.argv[1], sys.argv[2]
+
+def texts():
+    (Path(directory) / f"trained-by-{index}").touch()
+    time.sleep(1.0)
+    yield from [f"job text number {i % 37} of the shared corpus" for i in range(400)]
+
+print(cached_tokenizer(directory, "shared", texts, 64, 10**6).path)
+"""
+
+
+def test_jobs_sharing_a_cache_train_a_missing_model_once(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+
+    def job(index: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", JOB, str(tmp_path), str(index)],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    first = job(0)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "trained-by-0").exists():  # job 0 holds the lock and trains
+        assert first.poll() is None and time.monotonic() < deadline, "job 0 never trained"
+        time.sleep(0.02)
+    second = job(1)  # finds no model yet: it must wait for job 0's, not train its own
+    paths = [p.communicate(timeout=120)[0].strip() for p in (first, second)]
+    assert first.returncode == second.returncode == 0
+    assert paths[0] == paths[1] and os.path.exists(paths[0])
+    assert sorted(p.name for p in tmp_path.glob("trained-by-*")) == ["trained-by-0"]

@@ -1,4 +1,5 @@
-"""Exclusive per-point locks for sweeps run by several jobs at once (e.g. a SLURM job array).
+"""Exclusive locks for jobs that run at once (e.g. a SLURM job array): per sweep point, and
+around work that one job does for all of them (training a shared tokenizer).
 
 A lock is an advisory flock(2) on a file: the OS releases it when its holder exits, however it
 dies (kill -9 included), so there is never a stale lock to clean up. The holder writes its host,
@@ -13,19 +14,32 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+_UNKNOWN = {"host": "?", "pid": "?", "since": None}
+
+
+def _open(path: str) -> int:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
 
 def _try_lock(path: str) -> int | None:
     """An open descriptor holding the exclusive lock of `path`, or None if another holds it."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
     return fd
+
+
+def _sign(fd: int) -> None:
+    """Write this process into the lock file it holds, for `holder`."""
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(info).encode())
 
 
 def holder(path: str) -> dict | None:
@@ -42,7 +56,7 @@ def holder(path: str) -> dict | None:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError):  # taken, but its holder has not written itself yet
-        return {"host": "?", "pid": "?", "since": None}
+        return dict(_UNKNOWN)
 
 
 def describe(info: dict) -> str:
@@ -57,12 +71,26 @@ def exclusive(path: str) -> Iterator[dict | None]:
     other holder's info when it is taken (the block must then leave the point alone)."""
     fd = _try_lock(path)
     if fd is None:
-        yield holder(path) or {"host": "?", "pid": "?", "since": None}
+        yield holder(path) or dict(_UNKNOWN)
         return
     try:
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(info).encode())
+        _sign(fd)
         yield None
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def waiting(path: str, on_wait: Callable[[dict], None] = lambda holder: None) -> Iterator[None]:
+    """Hold the lock of `path` for the block, first waiting for its holder, if any, to release
+    it; `on_wait` gets that holder's info before the wait."""
+    fd = _try_lock(path)
+    if fd is None:
+        on_wait(holder(path) or dict(_UNKNOWN))
+        fd = _open(path)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        _sign(fd)
+        yield
     finally:
         os.close(fd)

@@ -10,6 +10,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
+from absl import logging
+
+from xformer import locks
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -97,4 +100,12 @@ def cached_tokenizer(
             f"no tokenizer {path}: train.py writes it when a run starts, and a workdir with "
             "checkpoints needs the one it was trained with (put it back, or use a new workdir)"
         )
-    return train_tokenizer(texts_fn(), path, vocab_size, max_chars)
+
+    def on_wait(holder: dict) -> None:
+        logging.info("waiting for %s, which is training %s", locks.describe(holder), path)
+
+    # Jobs that share cache_dir and start together train it once: the others wait, then load.
+    with locks.waiting(path + ".lock", on_wait):
+        if os.path.exists(path):
+            return Tokenizer(path)
+        return train_tokenizer(texts_fn(), path, vocab_size, max_chars)
