@@ -84,12 +84,13 @@ def exclusive(path: str) -> Iterator[dict | None]:
 def waiting(path: str, on_wait: Callable[[dict], None] = lambda holder: None) -> Iterator[None]:
     """Hold the lock of `path` for the block, first waiting for its holder, if any, to release
     it; `on_wait` gets that holder's info before the wait."""
-    fd = _try_lock(path)
-    if fd is None:
-        on_wait(holder(path) or dict(_UNKNOWN))
-        fd = _open(path)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    fd = _open(path)
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait(holder(path) or dict(_UNKNOWN))
+            fcntl.flock(fd, fcntl.LOCK_EX)
         _sign(fd)
         yield
     finally:

@@ -89,7 +89,9 @@ def row_local_top_k(mesh: Mesh) -> Callable[[jax.Array, int], tuple[jax.Array, j
     spec = P(BATCH_AXES)
 
     def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-        local = lambda rows: tuple(jax.lax.top_k(rows, k))  # noqa: E731 (top_k gives a list)
+        def local(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return tuple(jax.lax.top_k(rows, k))  # top_k gives a list
+
         return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(spec, spec))(x)
 
     return top_k
