@@ -151,7 +151,7 @@ def test_two_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, m
         assert have["sacrebleu"] == want["sacrebleu"]
         assert Path(have["output"]).read_text() == Path(want["output"]).read_text()
     else:
-        assert have["tokens"] == want["tokens"]
+        assert have["tokens"] == want["tokens"] > 0  # test[:400]: 8,890 tokens
         np.testing.assert_allclose(have["nll"], want["nll"], **TOLERANCE)
 
 
