@@ -238,6 +238,18 @@ def _spec(param: nnx.Param) -> list:
     return list(array.sharding.spec)
 
 
+def _assert_placed_like(abstract: dict, state: dict) -> None:
+    """abstract_state (a restore target made from shapes alone) has init_state's tree, shapes,
+    dtypes and placement on this mesh."""
+    assert jax.tree.structure(abstract) == jax.tree.structure(state)
+    for (path, a), x in zip(
+        jax.tree.leaves_with_path(abstract), jax.tree.leaves(state), strict=True
+    ):
+        where = jax.tree_util.keystr(path)
+        assert (a.shape, a.dtype) == (x.shape, x.dtype), where
+        assert a.sharding.is_equivalent_to(x.sharding, x.ndim), (where, a.sharding, x.sharding)
+
+
 def _one_mesh(family: str, name: str, workdir: Path, seed: int, report: dict):
     """Train 3 steps on mesh `name`, write <family>_<name>.npz, add to the report; the task."""
     task = _task(family, str(workdir / name / family), MESHES[name])
@@ -245,6 +257,7 @@ def _one_mesh(family: str, name: str, workdir: Path, seed: int, report: dict):
     flat = {f"{i}/{k}": v for i, step in enumerate(steps) for k, v in _leaves(step).items()}
     np.savez(workdir / f"{family}_{name}.npz", **flat)
     state = task.exp.init_state()
+    _assert_placed_like(task.exp.abstract_state(), state)
     held = {k: state[k] for k in ("params", "opt_state")}
     from_shards: dict = {}  # brute force: the bytes of each device's shards
     for shard in (s for x in jax.tree.leaves(held) for s in x.addressable_shards):

@@ -289,3 +289,44 @@ def test_eval_restores_the_parameters_alone(tmp_path):
         assert b.sharding == a.sharding
     with pytest.raises(FileNotFoundError, match=r"no checkpoint 3 in .* \(it holds \[7\]\)"):
         restore_params(exp, 3)
+
+
+def test_a_resumed_run_restores_onto_shapes_alone(tmp_path, tfds_dir, multi30k_dir, monkeypatch):
+    """Resuming restores the checkpoint onto `abstract_state`: no initialised train state is
+    made (and held beside the restored one), and the run goes on from the saved step."""
+    from xformer import config as config_lib
+    from xformer import experiment as experiment_lib
+    from xformer.train_lib import train_and_evaluate
+
+    config = config_lib.override(
+        config_lib.base_config(),
+        {
+            "model.d_model": 32,
+            "model.num_heads": 4,
+            "model.d_ff": 64,
+            "model.num_encoder_layers": 1,
+            "model.num_decoder_layers": 1,
+            "data.data_dir": tfds_dir,
+            "data.vocab_dir": shared_vocab_dir(tfds_dir),
+            "data.vocab_size": 400,
+            "data.max_train_length": 32,
+            "train.batch_size": 8,
+            "train.log_every": 1,
+            "train.checkpoint_every": 2,
+            "train.eval_every": 1000,
+            "train.num_steps": 2,
+            "data.eval_split": "val[:8]",
+            "eval.batch_size": 8,
+            "eval.bleu_sentences": 8,
+            "eval.max_decode_extra": 5,
+        },
+    )
+    assert train_and_evaluate(config, str(tmp_path))["step"] == 2
+
+    def no_init(self, carry=None):
+        raise AssertionError("a resumed run initialised a train state")
+
+    monkeypatch.setattr(experiment_lib.Experiment, "init_state", no_init)
+    config.train.num_steps = 3
+    assert train_and_evaluate(config, str(tmp_path))["step"] == 3
+    assert sorted(train_metric(tmp_path)) == [1, 2, 3]

@@ -35,6 +35,7 @@ class Experiment:
     model_cfg: Any  # the family's frozen model dataclass
     train_graphdef: nnx.GraphDef  # dropout active
     eval_graphdef: nnx.GraphDef  # deterministic
+    abstract_params: nnx.State  # the parameters' shapes, dtypes and logical axes; no values
     rng_state: nnx.State  # dropout RNG streams (all non-parameter state, replicated), re-keyed
     # each step
     tx: optax.GradientTransformation
@@ -66,7 +67,7 @@ class Experiment:
         their parameters, the rest copied."""
         mesh = mesh or self.mesh
         replicated = NamedSharding(mesh, P())
-        abstract = jax.eval_shape(self._init)
+        abstract = self._abstract_train_state()
         params = sharding.param_shardings(abstract["params"], mesh)
         opt_state = optax.tree_map_params(
             self.tx,
@@ -85,7 +86,25 @@ class Experiment:
         return {**state, "carry": carry or {}}
 
     def abstract_state(self, carry: Any = None) -> dict:
-        return jax.eval_shape(lambda: self.init_state(carry))
+        """`init_state`'s ShapeDtypeStructs, placed by `state_shardings` (and `carry`'s as they
+        are), from shapes alone: a restore target that initialises nothing."""
+        placed = jax.tree.map(
+            lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+            self._abstract_train_state(),
+            self.state_shardings(),
+        )
+        carry = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), carry or {}
+        )
+        return {**placed, "carry": carry}
+
+    def _abstract_train_state(self) -> dict:
+        """The shapes and dtypes of `_init`'s state, without tracing the model again."""
+        return {
+            "step": jax.ShapeDtypeStruct((), jax.numpy.int32),
+            "params": self.abstract_params,
+            "opt_state": jax.eval_shape(self.tx.init, self.abstract_params),
+        }
 
     def graphdef_for(self, model_cfg: Any) -> nnx.GraphDef:
         """An evaluation graph for a variant of the model config with the same parameters
@@ -123,7 +142,7 @@ def setup(
     mesh = sharding.make_mesh(config.mesh)
     os.makedirs(workdir, exist_ok=True)
     model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=model_rngs(0)))
-    train_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
+    train_graphdef, abstract_params, _ = nnx.split(model, nnx.Param, ...)
     model.eval()
     eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     # Only the RNG-stream state is kept; under jit XLA drops the unused parameter init. It is
@@ -140,6 +159,7 @@ def setup(
         model_cfg=model_cfg,
         train_graphdef=train_graphdef,
         eval_graphdef=eval_graphdef,
+        abstract_params=abstract_params,
         rng_state=rng_state,
         tx=make_optimizer(config.train),
         checkpointer=Checkpointer(workdir, config.train.keep_checkpoints),

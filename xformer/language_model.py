@@ -59,12 +59,7 @@ class LanguageModel(nnx.Module):
 
     def init_memory(self, batch_size: int, mem_len: int) -> Memory | None:
         """An empty memory of mem_len slots per layer (None when mem_len is 0)."""
-        if not mem_len:
-            return None
-        SCHEMES[self.cfg.positional].check_memory(mem_len)
-        shape = (self.cfg.num_layers, batch_size, mem_len, self.cfg.d_model)
-        states = jnp.zeros(shape, self.cfg.dtype)  # stored in the model's dtype
-        return {"states": states, "filled": jnp.zeros((batch_size,), jnp.int32)}
+        return empty_memory(self.cfg, batch_size, mem_len)
 
     def hidden(
         self,
@@ -250,6 +245,16 @@ class LanguageModel(nnx.Module):
             memory_kv = layer.memory_kv(states, self.positional)
             kv.append(layer.attn.write_cache(layer_kv, memory_kv["k"], memory_kv["v"], 0))
         return {**cache, "kv": kv, "offset": jnp.zeros((), jnp.int32)}
+
+
+def empty_memory(cfg: LMConfig, batch_size: int, mem_len: int) -> Memory | None:
+    """An empty memory of mem_len slots per layer for models of `cfg` (None when mem_len is 0):
+    states [num_layers, batch_size, mem_len, d_model] in the model's dtype, filled [batch_size]."""
+    if not mem_len:
+        return None
+    SCHEMES[cfg.positional].check_memory(mem_len)
+    shape = (cfg.num_layers, batch_size, mem_len, cfg.d_model)
+    return {"states": jnp.zeros(shape, cfg.dtype), "filled": jnp.zeros((batch_size,), jnp.int32)}
 
 
 def _remember(memory: Memory, inputs: jax.Array) -> Memory:

@@ -24,14 +24,11 @@ def restore_params(exp: Experiment, step: int | None = None) -> tuple[nnx.State,
         wanted = "a checkpoint" if step is None else f"checkpoint {step}"
         raise FileNotFoundError(f"no {wanted} in {manager.directory} (it holds {steps or 'none'})")
     step = steps[-1] if step is None else step
-    shardings = exp.state_shardings()
     abstract = exp.abstract_state()
     target = {"step": abstract["step"], "params": abstract["params"]}
-    placement = {"step": shardings["step"], "params": shardings["params"]}
     restore_args = jax.tree.map(
-        lambda x, where: ocp.ArrayRestoreArgs(sharding=where, global_shape=x.shape, dtype=x.dtype),
+        lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype),
         target,
-        placement,
     )
     path = os.path.join(os.fspath(manager.directory), str(step), "state")
     restored = ocp.PyTreeCheckpointer().restore(

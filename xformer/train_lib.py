@@ -303,9 +303,11 @@ def train_and_evaluate(
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     data_iter = task.train_batches()
 
-    state, progress = exp.init_state(task.init_carry()), {}
-    if exp.checkpointer.latest_step() is not None:
-        state, data_state = exp.checkpointer.restore(state)
+    carry, progress = task.init_carry(), {}
+    if exp.checkpointer.latest_step() is None:
+        state = exp.init_state(carry)
+    else:  # onto shapes: a resumed run neither initialises nor holds a second train state
+        state, data_state = exp.checkpointer.restore(exp.abstract_state(carry))
         progress = exp.checkpointer.progress()
         data_iter.set_state(data_state)
         logging.info("resumed from step %d", int(state["step"]))

@@ -30,7 +30,7 @@ from xformer.data.registry import LM_CORPORA
 from xformer.data.text import BOM, decode_utf8, read_bytes, read_input_lines
 from xformer.data.vocab import ByteVocab, CharVocab, Vocab, WordVocab, build_vocab
 from xformer.dispatch import DispatchWindow
-from xformer.language_model import MEMORY_BATCH_AXES, LanguageModel, reset_memory
+from xformer.language_model import MEMORY_BATCH_AXES, LanguageModel, empty_memory, reset_memory
 from xformer.masks import MASK_SCHEMES
 
 
@@ -168,8 +168,9 @@ class LanguageModelingTask:
     def init_carry(self) -> dict:
         if not self.mem_len:
             return {}
-        model = nnx.eval_shape(lambda: self.exp.make_model(experiment_lib.model_rngs(0)))
-        init = functools.partial(model.init_memory, self.config.train.batch_size, self.mem_len)
+        init = functools.partial(
+            empty_memory, self.exp.model_cfg, self.config.train.batch_size, self.mem_len
+        )
         return jax.jit(init, out_shardings=_memory_sharding(self.exp.mesh))()
 
     def loss_terms(self, model, batch: dict, carry: dict) -> tuple[jax.Array, dict, dict]:
@@ -223,10 +224,7 @@ class LanguageModelingTask:
         mesh = self.exp.mesh
         memory = None
         if s.mem_len and not s.sliding_stride:
-            model = nnx.eval_shape(
-                lambda: LanguageModel(model_cfg, rngs=experiment_lib.model_rngs(0))
-            )
-            init = functools.partial(model.init_memory, s.batch_size, s.mem_len)
+            init = functools.partial(empty_memory, model_cfg, s.batch_size, s.mem_len)
             memory = jax.jit(init, out_shardings=_memory_sharding(mesh))()
         key = (model_cfg, s.sliding_stride)
         if key not in self._eval_steps:
