@@ -3,6 +3,7 @@ imported without torch (which it would otherwise import wherever torch is instal
 
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from test_sweep import read_events
 
-from xformer.metric_writer import MetricWriter
+from xformer.metric_writer import MetricWriter, tensorboard_tag
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,3 +55,20 @@ def test_tensorboardx_is_imported_without_torch():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "tensorboardX.writer"  # a process with torch keeps it
+
+
+def test_names_that_are_not_tags_are_renamed_quietly(tmp_path, caplog):
+    """A sliced split's metrics ("val[:128]/nll") keep their names in metrics.jsonl and reach
+    TensorBoard under tensorboardX's spelling of the tag, with no log line per write."""
+    value = float(np.random.default_rng().normal())
+    writer = MetricWriter(str(tmp_path))
+    with caplog.at_level(logging.INFO):
+        writer.write(3, {"nll": value}, prefix="val[:128]/")
+        writer.write_text(3, "val[:128]/samples", "ein Hund")
+    writer.close()
+    assert not [r for r in caplog.records if "illegal" in r.getMessage()]
+    (line,) = (json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert line["val[:128]/nll"] == value
+    tags = {v.tag for e in read_events(tmp_path / "tensorboard") for v in e.summary.value}
+    assert tags == {"val__128_/nll", "val__128_/samples/text_summary"}
+    assert tensorboard_tag("/a b/c-d.e_f") == "a_b/c-d.e_f"

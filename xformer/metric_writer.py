@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -30,6 +31,16 @@ SummaryWriter = _tensorboardx.SummaryWriter
 hparams_summaries = _tensorboardx.summary.hparams
 
 
+_NOT_IN_TAGS = re.compile(r"[^-/\w.]")
+
+
+def tensorboard_tag(name: str) -> str:
+    """`name` as a TensorBoard tag: characters other than letters, digits and "_-./" become "_"
+    ("val[:128]/nll" -> "val__128_/nll"), as tensorboardX would do, with a log line each time.
+    metrics.jsonl keeps the names as given."""
+    return _NOT_IN_TAGS.sub("_", name).lstrip("/")
+
+
 class MetricWriter:
     def __init__(self, workdir: str, enabled: bool = True):
         self.enabled = enabled
@@ -45,12 +56,12 @@ class MetricWriter:
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
         self._jsonl.flush()
         for k, v in scalars.items():
-            self._tb.add_scalar(k, v, step)
+            self._tb.add_scalar(tensorboard_tag(k), v, step)
         self._tb.flush()
 
     def write_text(self, step: int, name: str, text: str) -> None:
         if self.enabled:
-            self._tb.add_text(name, text, step)
+            self._tb.add_text(tensorboard_tag(name), text, step)
 
     def close(self) -> None:
         if self.enabled:
@@ -61,11 +72,12 @@ class MetricWriter:
 def write_hparams_summary(logdir: str, hparams: dict, metrics: dict, step: int) -> None:
     """One session of TensorBoard's HParams dashboard in `logdir`: `hparams` (values that are
     not bool, int, float or str are written as JSON text) and `metrics` (also written as
-    scalars at `step`, which is where the dashboard reads their values)."""
+    scalars at `step`, which is where the dashboard reads their values; names as tags)."""
     plain = {
         k: v if isinstance(v, bool | int | float | str) else json.dumps(v)
         for k, v in hparams.items()
     }
+    metrics = {tensorboard_tag(name): value for name, value in metrics.items()}
     experiment, start, end = hparams_summaries(plain, metrics)
     with SummaryWriter(logdir) as writer:
         for summary in (experiment, start, end):
