@@ -77,6 +77,24 @@ def train_cmd(workdir, tfds_dir, *extra, shared_vocab=True):
     ]
 
 
+def tiny_config(tfds_dir):
+    """`train_cmd`'s run as a ConfigDict, for train_and_evaluate in this process: base_config
+    with the TINY flags (each value converted to its key's type) and the shared directories."""
+    from xformer import config as config_lib
+
+    config = config_lib.base_config()
+    defaults = config_lib.flatten(config)
+    flags = dict(flag.removeprefix("--config.").split("=", 1) for flag in TINY)
+    return config_lib.override(
+        config,
+        {
+            **{key: type(defaults[key])(value) for key, value in flags.items()},
+            "data.data_dir": tfds_dir,
+            "data.vocab_dir": shared_vocab_dir(tfds_dir),
+        },
+    )
+
+
 def train_metric(workdir, name="loss") -> dict[int, float]:
     """{step: train/<name>}; after a resume, a step's last row (the resumed run's)."""
     rows = read_jsonl(str(Path(workdir) / "metrics.jsonl"))
@@ -299,26 +317,14 @@ def test_a_resumed_run_restores_onto_shapes_alone(tmp_path, tfds_dir, multi30k_d
     from xformer.train_lib import train_and_evaluate
 
     config = config_lib.override(
-        config_lib.base_config(),
+        tiny_config(tfds_dir),
         {
-            "model.d_model": 32,
-            "model.num_heads": 4,
-            "model.d_ff": 64,
-            "model.num_encoder_layers": 1,
-            "model.num_decoder_layers": 1,
-            "data.data_dir": tfds_dir,
-            "data.vocab_dir": shared_vocab_dir(tfds_dir),
-            "data.vocab_size": 400,
-            "data.max_train_length": 32,
-            "train.batch_size": 8,
-            "train.log_every": 1,
             "train.checkpoint_every": 2,
             "train.eval_every": 1000,
             "train.num_steps": 2,
-            "data.eval_split": "val[:8]",
+            "data.eval_split": "val[:8]",  # each run ends with a validation pass
             "eval.batch_size": 8,
             "eval.bleu_sentences": 8,
-            "eval.max_decode_extra": 5,
         },
     )
     assert train_and_evaluate(config, str(tmp_path))["step"] == 2
