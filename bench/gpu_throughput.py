@@ -177,7 +177,9 @@ def wmt_like_pairs(num_pairs: int, vocab: int, max_length: int, rng: np.random.G
     def sentence(n):
         return np.concatenate([rng.integers(4, vocab, int(n) - 1), [EOS_ID]]).astype(np.int32)
 
-    return EncodedPairs([sentence(n) for n in src_len], [sentence(n) for n in tgt_len])
+    return EncodedPairs.from_sequences(
+        [sentence(n) for n in src_len], [sentence(n) for n in tgt_len]
+    )
 
 
 def translation_batches(config, vocab: int, num_batches: int, seed: int = 0) -> list[dict]:

@@ -165,7 +165,7 @@ def test_input_shards_join_into_the_same_batches():
     rng = np.random.default_rng()
     lengths = rng.integers(4, 12, size=(2, 300))  # >= 4 tokens: no two pairs alike
     src, tgt = ([rng.integers(4, 50, n).astype(np.int32) for n in side] for side in lengths)
-    pairs = EncodedPairs(src, tgt)
+    pairs = EncodedPairs.from_sequences(src, tgt)
     settings = {"batch_size": 8, "max_length": 16, "seed": 3, "num_shards": 2}
     both = iter(packed_train_dataset(pairs, shards=(0, 1), **settings))
     alone = [iter(packed_train_dataset(pairs, shards=(s,), **settings)) for s in (0, 1)]

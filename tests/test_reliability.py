@@ -250,7 +250,9 @@ def test_a_workdir_resumes_only_its_own_run(tmp_path, tfds_dir, multi30k_dir):
     assert done["reason"] == "max_train_seconds" and done["step"] == 3
     assert "resumed from step 2" in resumed.stderr
 
-    for path in (workdir / "vocab").iterdir():
+    models = list((workdir / "vocab").glob("*.model"))  # (its encoded split stays)
+    assert models and (workdir / "vocab" / "encoded").is_dir()
+    for path in models:
         path.unlink()
     more = ["--config.train.num_steps=60", "--config.train.learning_rate=3e-3"]
     missing = translation.run(train_cmd(*more))

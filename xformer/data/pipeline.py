@@ -17,21 +17,70 @@ from xformer.data.tokenizer import BOS_ID, PAD_ID, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
+class RaggedIds:
+    """Token id sequences stored flat: sequence i is ids[offsets[i] : offsets[i + 1]].
+
+    ids: [total tokens] (any integer dtype, e.g. a memory-mapped uint16 array); offsets:
+    [num sequences + 1] int64, starting at 0. Indexing returns an int32 copy of one sequence.
+    """
+
+    ids: np.ndarray
+    offsets: np.ndarray
+
+    def __post_init__(self):
+        if self.offsets.ndim != 1 or len(self.offsets) < 1 or self.offsets[0] != 0:
+            raise ValueError("offsets must be a 1-D array starting at 0")
+        if self.offsets[-1] != len(self.ids):
+            raise ValueError(f"offsets end at {self.offsets[-1]}, ids hold {len(self.ids)}")
+
+    @classmethod
+    def from_sequences(cls, seqs: Sequence[np.ndarray], dtype=np.int32) -> "RaggedIds":
+        lengths = np.fromiter(map(len, seqs), np.int64, count=len(seqs))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        ids = np.concatenate(seqs).astype(dtype) if len(seqs) else np.zeros(0, dtype)
+        return cls(ids, offsets)
+
+    @classmethod
+    def concatenate(cls, parts: Sequence["RaggedIds"], dtype=np.int32) -> "RaggedIds":
+        if not parts:
+            return cls(np.zeros(0, dtype), np.zeros(1, np.int64))
+        starts = np.cumsum([0] + [len(p.ids) for p in parts[:-1]])
+        offsets = [np.zeros(1, np.int64)]
+        offsets += [p.offsets[1:] + start for p, start in zip(parts, starts, strict=True)]
+        return cls(np.concatenate([p.ids for p in parts]), np.concatenate(offsets))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.asarray(self.ids[self.offsets[i] : self.offsets[i + 1]], np.int32)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[num sequences] int64."""
+        return np.diff(self.offsets)
+
+
+@dataclasses.dataclass(frozen=True)
 class EncodedPairs:
     """Token ids of aligned sentence pairs (each ends with EOS)."""
 
-    src: list[np.ndarray]
-    tgt: list[np.ndarray]
+    src: RaggedIds
+    tgt: RaggedIds
 
     def __post_init__(self):
         if len(self.src) != len(self.tgt):
             raise ValueError(f"{len(self.src)} source vs {len(self.tgt)} target sentences")
 
     @classmethod
+    def from_sequences(cls, src: Sequence[np.ndarray], tgt: Sequence[np.ndarray]) -> "EncodedPairs":
+        return cls(RaggedIds.from_sequences(src), RaggedIds.from_sequences(tgt))
+
+    @classmethod
     def from_text(
         cls, src: list[str], tgt: list[str], src_tok: Tokenizer, tgt_tok: Tokenizer
     ) -> "EncodedPairs":
-        return cls(src_tok.encode(src), tgt_tok.encode(tgt))
+        return cls.from_sequences(src_tok.encode(src), tgt_tok.encode(tgt))
 
     def __len__(self) -> int:
         return len(self.src)
@@ -76,11 +125,7 @@ def packed_train_dataset(
     dropped (training only). Each element maps names to int32 arrays
     [len(shards) * batch_size / num_shards, max_length].
     """
-    keep = [
-        i
-        for i in range(len(pairs))
-        if len(pairs.src[i]) <= max_length and len(pairs.tgt[i]) <= max_length
-    ]
+    keep = np.flatnonzero((pairs.src.lengths <= max_length) & (pairs.tgt.lengths <= max_length))
     if len(keep) < num_shards:
         raise ValueError(
             f"{len(keep)} training pairs fit data.max_train_length={max_length}: too few for "
@@ -115,7 +160,7 @@ def bucket_length(n: int, multiple: int = 16) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def sorted_batches(lengths: list[int], batch_size: int) -> list[np.ndarray]:
+def sorted_batches(lengths: Sequence[int] | np.ndarray, batch_size: int) -> list[np.ndarray]:
     """Index batches of similar length (sorted, longest first); together they cover every index."""
     order = np.argsort(-np.asarray(lengths), kind="stable")
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]

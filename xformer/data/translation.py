@@ -4,6 +4,8 @@ import os
 
 import ml_collections
 
+from xformer.data.encoded_cache import cached_pairs
+from xformer.data.pipeline import EncodedPairs
 from xformer.data.readers import read_all, translation_source
 from xformer.data.tokenizer import Tokenizer, cached_tokenizer
 
@@ -68,3 +70,19 @@ def load_tokenizers(
         for lang in (d.source_lang, d.target_lang)
     )
     return src, tgt
+
+
+def encoded_split(
+    config: ml_collections.ConfigDict,
+    split: str,
+    src_tok: Tokenizer,
+    tgt_tok: Tokenizer,
+    workdir: str,
+) -> EncodedPairs:
+    """Every pair of a split as token ids, cached in `<vocab_dir>/encoded` (encoded_cache)."""
+    d = config.data
+    source = translation_source(
+        d.dataset, split, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None
+    )
+    cache_dir = os.path.join(vocab_dir(config, workdir), "encoded")
+    return cached_pairs(source, (d.source_lang, d.target_lang), (src_tok, tgt_tok), cache_dir)

@@ -19,7 +19,7 @@ from xformer.data.pipeline import (
     sorted_batches,
 )
 from xformer.data.tokenizer import BOS_ID
-from xformer.data.translation import load_tokenizers, split_text
+from xformer.data.translation import encoded_split, load_tokenizers, split_text
 from xformer.dispatch import DispatchWindow
 from xformer.losses import cross_entropy
 from xformer.models import EncoderDecoder
@@ -39,11 +39,9 @@ def loss_terms(model, batch: dict, label_smoothing: float) -> tuple[jax.Array, d
 
 def padded_batches(pairs: EncodedPairs, batch_size: int) -> list[dict[str, np.ndarray]]:
     """Every pair exactly once, in fixed-size batches of similar length (no length filter)."""
-    batches = []
-    for idx in sorted_batches(
-        [max(len(s), len(t)) for s, t in zip(pairs.src, pairs.tgt, strict=True)], batch_size
-    ):
-        length = bucket_length(max(max(len(pairs.src[i]), len(pairs.tgt[i])) for i in idx))
+    batches, lengths = [], np.maximum(pairs.src.lengths, pairs.tgt.lengths)
+    for idx in sorted_batches(lengths, batch_size):
+        length = bucket_length(int(lengths[idx].max()))
         tgt_out = pad_rows([pairs.tgt[i] for i in idx], length, batch_size)
         tgt_in = np.concatenate([np.full((batch_size, 1), BOS_ID, np.int32), tgt_out[:, :-1]], 1)
         segments = (tgt_out > 0).astype(np.int32)
@@ -69,7 +67,7 @@ class TranslationTask:
     def __init__(
         self, config: ml_collections.ConfigDict, workdir: str, *, train_if_missing: bool = True
     ):
-        self.config = config
+        self.config, self.workdir = config, workdir
         with distributed.main_process_first("prepare data and vocabulary"):
             self.src_tok, self.tgt_tok = load_tokenizers(
                 config, workdir, train_if_missing=train_if_missing
@@ -100,8 +98,7 @@ class TranslationTask:
 
     def train_batches(self):
         c = self.config
-        src, tgt = split_text(c, c.data.train_split)
-        pairs = EncodedPairs.from_text(src, tgt, self.src_tok, self.tgt_tok)
+        pairs = encoded_split(c, c.data.train_split, self.src_tok, self.tgt_tok, self.workdir)
         num_shards = c.data.input_shards or jax.process_count()
         per_process = num_shards // jax.process_count()
         first = jax.process_index() * per_process
