@@ -1,6 +1,7 @@
 """Where load_tokenizers finds or trains its SentencePiece models: one per training corpus in a
 shared data.vocab_dir, the workdir's own model whatever the split, names that earlier runs wrote
-still found, and jobs that start together training a shared model once."""
+still found, and jobs that start together training a shared model once; and what a model
+trains on when the split exceeds data.max_corpus_chars."""
 
 import hashlib
 import os
@@ -15,28 +16,38 @@ import pytest
 
 from xformer import config as config_lib
 from xformer.data import translation
+from xformer.data.readers import read_all, translation_source
 
 VOCAB = 64  # one joint model: 2 x 26 letters, specials, a few words
 WORDS = "the a dog cat runs jumps over under red blue small big house tree river".split()
 
 
-def fake_split_text(calls: list[str]):
-    """split_text over a made-up corpus whose words depend on the split (no dataset needed)."""
+class FakeSource:
+    """A made-up split whose words depend on its name; targets are the sources in capitals."""
 
-    def split_text(config, split):
-        calls.append(split)
+    def __init__(self, split: str):
         rng = np.random.default_rng(zlib.crc32(split.encode()))
         words = WORDS[: 8 if split.startswith("train[:") else len(WORDS)]
         lines = [" ".join(rng.choice(words, size=6)) for _ in range(300)]
-        return lines, [line.upper() for line in lines]
+        self.records = [{"en": line, "de": line.upper()} for line in lines]
 
-    return split_text
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitems__(self, indices):
+        return [self.records[i] for i in indices]
 
 
 @pytest.fixture
 def calls(monkeypatch) -> list[str]:
+    """The splits that load_tokenizers read (FakeSource instead of the dataset)."""
     made: list[str] = []
-    monkeypatch.setattr(translation, "split_text", fake_split_text(made))
+
+    def split_source(config, split):
+        made.append(split)
+        return FakeSource(split)
+
+    monkeypatch.setattr(translation, "split_source", split_source)
     return made
 
 
@@ -119,3 +130,37 @@ def test_jobs_sharing_a_cache_train_a_missing_model_once(tmp_path):
     assert first.returncode == second.returncode == 0
     assert paths[0] == paths[1] and os.path.exists(paths[0])
     assert sorted(p.name for p in tmp_path.glob("trained-by-*")) == ["trained-by-0"]
+
+
+def test_a_joint_model_over_its_budget_still_learns_both_languages(tmp_path, calls):
+    """7,400 characters of each language, a budget of 3,000: a prefix of the text would be
+    lowercase (source) only."""
+    config = _config("train")
+    config.data.max_corpus_chars = 3000
+    tok, _ = translation.load_tokenizers(config, str(tmp_path))
+    pieces = [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
+    assert any(p.isupper() for p in pieces) and any(p.islower() for p in pieces)
+    text = "the red dog jumps over the big house"
+    for line in (text, text.upper()):  # each language's words are known: nothing unknown
+        assert tok.sp.unk_id() not in tok.sp.encode(line)
+
+
+def test_a_tokenizer_corpus_is_whole_pairs_from_across_the_split(tfds_dir):
+    source = translation_source("multi30k", "train[:3000]", data_dir=tfds_dir)
+    records, langs = read_all(source), ("en", "de")
+    everything = [r[lang] for lang in langs for r in records]
+    total = sum(len(t) for t in everything if t.strip())
+    assert translation.tokenizer_texts(source, langs, total) == everything  # within budget
+
+    budget = total // 5
+    texts = translation.tokenizer_texts(source, langs, budget)
+    half = len(texts) // 2
+    assert len(texts) == 2 * half and 0.1 * len(records) < half < 0.3 * len(records)
+    chars = [sum(len(t) for t in side) for side in (texts[:half], texts[half:])]
+    assert budget - 500 < sum(chars) <= budget and min(chars) > 0.4 * sum(chars)
+    # Each en/de pair is a pair of the split, in dataset order, drawn from all of it.
+    where = {(r["en"], r["de"]): i for i, r in enumerate(records)}
+    indices = [where[pair] for pair in zip(texts[:half], texts[half:], strict=True)]
+    assert indices == sorted(indices)
+    assert indices[0] < 0.1 * len(records) and indices[-1] > 0.9 * len(records)
+    assert translation.tokenizer_texts(source, langs, budget) == texts  # seeded

@@ -1,23 +1,61 @@
 """Text of a translation dataset's splits and the tokenizers trained on its training split."""
 
 import os
+from collections.abc import Sequence
 
 import ml_collections
+import numpy as np
 
 from xformer.data.encoded_cache import cached_pairs
 from xformer.data.pipeline import EncodedPairs
-from xformer.data.readers import read_all, translation_source
+from xformer.data.readers import TranslationSource, read_all, translation_source
 from xformer.data.tokenizer import Tokenizer, cached_tokenizer
+
+_CHUNK = 16384  # pairs read at a time when sampling a tokenizer's corpus
+
+
+def split_source(config: ml_collections.ConfigDict, split: str) -> TranslationSource:
+    d = config.data
+    return translation_source(
+        d.dataset, split, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None
+    )
 
 
 def split_text(config: ml_collections.ConfigDict, split: str) -> tuple[list[str], list[str]]:
     """(source lines, target lines) of a split, every pair in dataset order."""
     d = config.data
-    source = translation_source(
-        d.dataset, split, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None
-    )
-    records = read_all(source)
+    records = read_all(split_source(config, split))
     return [r[d.source_lang] for r in records], [r[d.target_lang] for r in records]
+
+
+def tokenizer_texts(
+    source: TranslationSource, langs: Sequence[str], max_chars: int, seed: int = 0
+) -> list[str]:
+    """The sentences a SentencePiece model of `langs` trains on: whole pairs drawn in a seeded
+    random order until their non-blank texts in `langs` would pass max_chars characters, put
+    back in dataset order; every sentence of langs[0], then of langs[1].
+
+    A split within the budget is used whole, in dataset order. A larger one gives each language
+    its share of the pairs drawn, from across the split (its first max_chars characters would
+    be one language and, in a corpus of concatenated sources, one source)."""
+    order = np.random.default_rng(seed).permutation(len(source))
+
+    def drawn():  # (index, record) in the drawn order, read a chunk at a time in file order
+        for start in range(0, len(order), _CHUNK):
+            indices = order[start : start + _CHUNK]
+            read = np.sort(indices)
+            records = dict(zip(read.tolist(), source.__getitems__(read.tolist()), strict=True))
+            yield from ((i, records[i]) for i in indices.tolist())
+
+    chosen, total = [], 0
+    for i, record in drawn():
+        chars = sum(len(record[lang]) for lang in langs if record[lang].strip())
+        if total + chars > max_chars:
+            break
+        total += chars
+        chosen.append((i, record))
+    chosen.sort(key=lambda pair: pair[0])
+    return [record[lang] for lang in langs for _, record in chosen]
 
 
 def vocab_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -30,14 +68,11 @@ def load_tokenizers(
     """SentencePiece models for source and target (the same object when data.vocab='joint')."""
     d = config.data
     cache = vocab_dir(config, workdir)
-    texts: dict[str, list[str]] = {}
 
     def train_texts(langs):
         def texts_fn():
-            if not texts:
-                texts[d.source_lang], texts[d.target_lang] = split_text(config, d.train_split)
-            for lang in langs:
-                yield from texts[lang]
+            source = split_source(config, d.train_split)
+            return tokenizer_texts(source, langs, d.max_corpus_chars)
 
         return texts_fn
 
@@ -81,8 +116,6 @@ def encoded_split(
 ) -> EncodedPairs:
     """Every pair of a split as token ids, cached in `<vocab_dir>/encoded` (encoded_cache)."""
     d = config.data
-    source = translation_source(
-        d.dataset, split, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None
-    )
     cache_dir = os.path.join(vocab_dir(config, workdir), "encoded")
-    return cached_pairs(source, (d.source_lang, d.target_lang), (src_tok, tgt_tok), cache_dir)
+    langs, tokenizers = (d.source_lang, d.target_lang), (src_tok, tgt_tok)
+    return cached_pairs(split_source(config, split), langs, tokenizers, cache_dir)
