@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from xformer.data import encoded_cache
+from xformer.data import encoded_cache, translation
 from xformer.data.pipeline import EncodedPairs, RaggedIds
 from xformer.data.readers import read_all, translation_source
 from xformer.data.tokenizer import train_tokenizer
@@ -59,7 +59,7 @@ def test_a_cached_split_is_the_text_encoded_and_is_encoded_once(
     src, tgt = ([r[lang] for r in records] for lang in LANGS)
     direct = EncodedPairs.from_text(src, tgt, tok, tok)
 
-    first = encoded_cache.cached_pairs(source, LANGS, (tok, tok), str(tmp_path))
+    first = translation.cached_pairs(source, LANGS, (tok, tok), str(tmp_path))
     _assert_pairs_equal(first, direct)
     (entry,) = [p for p in os.listdir(tmp_path) if not p.endswith(".lock")]
     assert entry.startswith("multi30k-train_2000_-")
@@ -67,13 +67,14 @@ def test_a_cached_split_is_the_text_encoded_and_is_encoded_once(
     def no_encoding(*args):
         raise AssertionError("encoded again")
 
-    monkeypatch.setattr(encoded_cache, "_encode", no_encoding)
-    again = encoded_cache.cached_pairs(source, LANGS, (tok, tok), str(tmp_path))
-    assert isinstance(again.src.ids, np.memmap) and again.src.ids.dtype == np.uint16
+    monkeypatch.setattr(translation, "_encode", no_encoding)
+    again = translation.cached_pairs(source, LANGS, (tok, tok), str(tmp_path))
+    ids = again.src.ids  # a read-only view of the mapped file
+    assert isinstance(ids.base, np.memmap) and not ids.flags.writeable and ids.dtype == np.uint16
     _assert_pairs_equal(again, direct)
     # The other direction is another entry, with the sides swapped.
     monkeypatch.undo()
-    swapped = encoded_cache.cached_pairs(source, LANGS[::-1], (tok, tok), str(tmp_path))
+    swapped = translation.cached_pairs(source, LANGS[::-1], (tok, tok), str(tmp_path))
     _assert_pairs_equal(swapped, EncodedPairs(direct.tgt, direct.src))
 
 
@@ -84,17 +85,17 @@ def test_new_data_or_a_new_tokenizer_makes_a_new_entry(split_and_tokenizers, tfd
     def entries():
         return sorted(p for p in os.listdir(cache) if not p.endswith(".lock"))
 
-    encoded_cache.cached_pairs(source, LANGS, (tok, tok), cache)
-    encoded_cache.cached_pairs(source, LANGS, (other_tok, other_tok), cache)
+    translation.cached_pairs(source, LANGS, (tok, tok), cache)
+    translation.cached_pairs(source, LANGS, (other_tok, other_tok), cache)
     assert len(entries()) == 2
     copy = tmp_path / "tfds"
     shutil.copytree(os.path.join(tfds_dir, "multi30k"), copy / "multi30k")
     copied = translation_source("multi30k", "train[:2000]", data_dir=str(copy))
-    encoded_cache.cached_pairs(copied, LANGS, (tok, tok), cache)  # same file size and time
+    translation.cached_pairs(copied, LANGS, (tok, tok), cache)  # same file size and time
     assert len(entries()) == 3
     (train_file,) = (copy / "multi30k").glob("*/multi30k-train.array_record*")
     os.utime(train_file, (1, 1))  # as if the dataset were prepared again
-    encoded_cache.cached_pairs(copied, LANGS, (tok, tok), cache)
+    translation.cached_pairs(copied, LANGS, (tok, tok), cache)
     assert len(entries()) == 4
 
 
@@ -102,18 +103,18 @@ def test_jobs_starting_together_encode_once_and_a_failed_save_leaves_nothing(
     split_and_tokenizers, tmp_path, monkeypatch
 ):
     source, _, (tok, _) = split_and_tokenizers
-    encode, calls = encoded_cache._encode, []
+    encode, calls = translation._encode, []
 
     def slow_encode(*args):
         calls.append(1)
         threading.Event().wait(0.5)  # the other job reaches the lock meanwhile
         return encode(*args)
 
-    monkeypatch.setattr(encoded_cache, "_encode", slow_encode)
+    monkeypatch.setattr(translation, "_encode", slow_encode)
     results = [None, None]
 
     def job(i):
-        results[i] = encoded_cache.cached_pairs(source, LANGS, (tok, tok), str(tmp_path / "a"))
+        results[i] = translation.cached_pairs(source, LANGS, (tok, tok), str(tmp_path / "a"))
 
     threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
     for t in threads:
@@ -128,7 +129,7 @@ def test_jobs_starting_together_encode_once_and_a_failed_save_leaves_nothing(
 
     monkeypatch.setattr(encoded_cache.json, "dump", failing_dump)
     with pytest.raises(OSError, match="disk full"):
-        encoded_cache.cached_pairs(source, LANGS, (tok, tok), str(tmp_path / "b"))
+        translation.cached_pairs(source, LANGS, (tok, tok), str(tmp_path / "b"))
     assert [p for p in os.listdir(tmp_path / "b") if not p.endswith(".lock")] == []
 
 
@@ -136,6 +137,28 @@ def test_a_read_only_cache_dir_encodes_in_memory(split_and_tokenizers, tmp_path,
     source, records, (tok, _) = split_and_tokenizers
     src, tgt = ([r[lang] for r in records] for lang in LANGS)
     monkeypatch.setattr(encoded_cache.os, "access", lambda path, mode: False)
-    pairs = encoded_cache.cached_pairs(source, LANGS, (tok, tok), str(tmp_path))
+    pairs = translation.cached_pairs(source, LANGS, (tok, tok), str(tmp_path))
     _assert_pairs_equal(pairs, EncodedPairs.from_text(src, tgt, tok, tok))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_language_modelling_stream_is_encoded_once(tfds_dir, tmp_path, monkeypatch):
+    from test_language_modeling import tiny_config
+
+    from xformer.data.readers import read_corpus
+    from xformer.tasks import language_modeling, make_task
+
+    task = make_task(tiny_config(tfds_dir), str(tmp_path))
+    direct = task.vocab.encode_lines(read_corpus("ptb", "valid", data_dir=tfds_dir))
+    np.testing.assert_array_equal(task.stream("valid"), direct)
+
+    def no_reading(*args):
+        raise AssertionError("read again")
+
+    monkeypatch.setattr(language_modeling, "corpus_text", no_reading)
+    again = make_task(tiny_config(tfds_dir), str(tmp_path), train_if_missing=False)
+    stream = again.stream("valid")
+    assert isinstance(stream.base, np.memmap) and stream.dtype == np.int32
+    np.testing.assert_array_equal(stream, direct)
+    (entry,) = [p for p in os.listdir(tmp_path / "vocab" / "encoded") if not p.endswith(".lock")]
+    assert entry.startswith("ptb-valid-")

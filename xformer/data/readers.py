@@ -243,20 +243,31 @@ def prepare_corpus(name: str, *, data_dir: str | None = None, manual_dir: str | 
     return prepare(make_builder(name, data_dir), name, info.folder, manual_dir)
 
 
-def read_corpus(
+def corpus_source(
     name: str, split: str, *, data_dir: str | None = None, manual_dir: str | None = None
-) -> list[str] | bytes:
-    """Reads one split of corpus ``name`` (see ``registry.LM_CORPORA``), preparing it if needed.
-
-    Returns the lines (``"whitespace"`` corpora) or the byte string (``"byte"``
-    and ``"char"`` corpora; text8 is UTF-8).  Unknown corpora or splits raise
-    ``ValueError`` listing the valid ones.  See ``prepare_corpus`` for the
-    directories.
-    """
+) -> Any:
+    """The serialized records of one split of corpus ``name`` (a TFDS data source; read them
+    with ``corpus_text``), preparing the corpus if needed. Unknown corpora or splits raise
+    ``ValueError`` listing the valid ones.  See ``prepare_corpus`` for the directories."""
     info = corpus_info(name)
     _check_split("corpus", name, split, info.splits)
     builder = prepare_corpus(name, data_dir=data_dir, manual_dir=manual_dir)
-    records = read_all(_serialized_records(builder, split))
-    if info.tokenization == "whitespace":
+    return _serialized_records(builder, split)
+
+
+def corpus_text(name: str, source: Any) -> list[str] | bytes:
+    """The lines (``"whitespace"`` corpora) or the byte string (``"byte"`` and ``"char"``
+    corpora; text8 is UTF-8) of a ``corpus_source``."""
+    records = read_all(source)
+    if corpus_info(name).tokenization == "whitespace":
         return [text_features(r, ["text"])[0].decode("utf-8") for r in records]
     return b"".join(text_features(r, ["bytes"])[0] for r in records)
+
+
+def read_corpus(
+    name: str, split: str, *, data_dir: str | None = None, manual_dir: str | None = None
+) -> list[str] | bytes:
+    """Reads one split of corpus ``name`` (see ``registry.LM_CORPORA``): ``corpus_text`` of
+    its ``corpus_source``."""
+    source = corpus_source(name, split, data_dir=data_dir, manual_dir=manual_dir)
+    return corpus_text(name, source)

@@ -1,4 +1,5 @@
-"""Text of a translation dataset's splits and the tokenizers trained on its training split."""
+"""A translation dataset's splits: their text, the tokenizers trained on the training split and
+the split's token ids (encoded once, then memory-mapped: data/encoded_cache.py)."""
 
 import os
 from collections.abc import Sequence
@@ -6,12 +7,13 @@ from collections.abc import Sequence
 import ml_collections
 import numpy as np
 
-from xformer.data.encoded_cache import cached_pairs
-from xformer.data.pipeline import EncodedPairs
+from xformer.data.encoded_cache import cached_arrays, file_digest, record_files
+from xformer.data.pipeline import EncodedPairs, RaggedIds
 from xformer.data.readers import TranslationSource, read_all, translation_source
 from xformer.data.tokenizer import Tokenizer, cached_tokenizer
 
-_CHUNK = 16384  # pairs read at a time when sampling a tokenizer's corpus
+_CHUNK = 16384  # pairs read at a time: bounds the text held in memory
+_SIDES = ("src", "tgt")
 
 
 def split_source(config: ml_collections.ConfigDict, split: str) -> TranslationSource:
@@ -119,3 +121,49 @@ def encoded_split(
     cache_dir = os.path.join(vocab_dir(config, workdir), "encoded")
     langs, tokenizers = (d.source_lang, d.target_lang), (src_tok, tgt_tok)
     return cached_pairs(split_source(config, split), langs, tokenizers, cache_dir)
+
+
+def cached_pairs(
+    source: TranslationSource,
+    languages: tuple[str, str],
+    tokenizers: tuple[Tokenizer, Tokenizer],
+    cache_dir: str,
+) -> EncodedPairs:
+    """Every pair of `source` as (source language, target language) ids, each side ending with
+    EOS, in dataset order, through `cached_arrays`."""
+    fingerprint = {
+        "files": record_files(source.source),
+        "languages": list(languages),
+        "tokenizers": [file_digest(t.path) for t in tokenizers],
+    }
+
+    def encode() -> dict[str, np.ndarray]:
+        pairs = _encode(source, languages, tokenizers)
+        return {
+            f"{side}_{part}": getattr(ragged, part)
+            for side, ragged in zip(_SIDES, (pairs.src, pairs.tgt), strict=True)
+            for part in ("ids", "offsets")
+        }
+
+    arrays = cached_arrays(cache_dir, f"{source.dataset}-{source.split}", fingerprint, encode)
+    pairs = EncodedPairs(
+        *(RaggedIds(arrays[f"{side}_ids"], arrays[f"{side}_offsets"]) for side in _SIDES)
+    )
+    if len(pairs) != len(source):
+        raise ValueError(
+            f"{cache_dir} holds {len(pairs)} pairs of {source.dataset} {source.split}, the split "
+            f"has {len(source)}: delete its entry to encode it again"
+        )
+    return pairs
+
+
+def _encode(
+    source: TranslationSource, languages: Sequence[str], tokenizers: Sequence[Tokenizer]
+) -> EncodedPairs:
+    dtype = np.uint16 if max(t.vocab_size for t in tokenizers) <= 2**16 else np.int32
+    parts: tuple[list, list] = ([], [])
+    for start in range(0, len(source), _CHUNK):
+        records = source.__getitems__(range(start, min(start + _CHUNK, len(source))))
+        for side, lang, tok in zip(parts, languages, tokenizers, strict=True):
+            side.append(RaggedIds.from_sequences(tok.encode([r[lang] for r in records]), dtype))
+    return EncodedPairs(*(RaggedIds.concatenate(side, dtype) for side in parts))

@@ -24,8 +24,9 @@ from jax.sharding import NamedSharding
 
 from xformer import distributed, model_config, sharding
 from xformer import experiment as experiment_lib
+from xformer.data.encoded_cache import cached_arrays, file_digest, record_files
 from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
-from xformer.data.readers import read_corpus
+from xformer.data.readers import corpus_source, corpus_text
 from xformer.data.registry import LM_CORPORA
 from xformer.data.text import BOM, decode_utf8, read_bytes, read_input_lines
 from xformer.data.vocab import ByteVocab, CharVocab, Vocab, WordVocab, build_vocab
@@ -107,6 +108,8 @@ class LanguageModelingTask:
             )
         self.corpus = LM_CORPORA[d.dataset]
         self._streams: dict[str, np.ndarray] = {}
+        self._vocab_dir = d.vocab_dir or os.path.join(workdir, "vocab")
+        self._vocab_path = ""  # none for bytes
         self._eval_steps: dict[tuple, Callable] = {}  # compiled once per model variant
         with distributed.main_process_first("prepare data and vocabulary"):
             self.vocab = self._load_vocab(workdir, train_if_missing)
@@ -126,7 +129,7 @@ class LanguageModelingTask:
         if self.corpus.tokenization == "byte":
             return ByteVocab()
         name = f"{d.dataset}-{d.vocab_size}" if d.vocab_size else d.dataset
-        path = os.path.join(d.vocab_dir or os.path.join(workdir, "vocab"), f"{name}.vocab")
+        path = self._vocab_path = os.path.join(self._vocab_dir, f"{name}.vocab")
         if os.path.exists(path):
             return (WordVocab if self.corpus.tokenization == "whitespace" else CharVocab).load(path)
         if not train_if_missing:
@@ -134,26 +137,36 @@ class LanguageModelingTask:
                 f"{path} not found: train.py writes it when a run starts, and a workdir with "
                 "checkpoints needs the one it was trained with (put it back, or use a new workdir)"
             )
-        vocab = build_vocab(self.corpus, self._read(d.train_split), max_size=d.vocab_size)
+        train_text = corpus_text(d.dataset, self._source(d.train_split))
+        vocab = build_vocab(self.corpus, train_text, max_size=d.vocab_size)
         if jax.process_index() == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             vocab.save(path)
         return vocab
 
-    def _read(self, split: str):
+    def _source(self, split: str):
         d = self.config.data
-        return read_corpus(
+        return corpus_source(
             d.dataset, split, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None
         )
 
     def stream(self, split: str) -> np.ndarray:
-        """The split as one int32 token stream (whitespace corpora: <eos> after every line)."""
+        """The split as one int32 token stream (whitespace corpora: <eos> after every line),
+        encoded once into <vocab dir>/encoded and memory-mapped (data/encoded_cache.py)."""
         if split not in self._streams:
-            data = self._read(split)
-            if isinstance(self.vocab, WordVocab):
-                self._streams[split] = self.vocab.encode_lines(data)
-            else:
-                self._streams[split] = self.vocab.encode(data)
+            d, source = self.config.data, self._source(split)
+            vocab_id = file_digest(self._vocab_path) if self._vocab_path else repr(self.vocab)
+            fingerprint = {"files": record_files(source), "vocab": vocab_id}
+
+            def encode() -> dict[str, np.ndarray]:
+                data = corpus_text(d.dataset, source)
+                if isinstance(self.vocab, WordVocab):
+                    return {"ids": self.vocab.encode_lines(data)}
+                return {"ids": self.vocab.encode(data)}
+
+            cache_dir = os.path.join(self._vocab_dir, "encoded")
+            name = f"{d.dataset}-{split}"
+            self._streams[split] = cached_arrays(cache_dir, name, fingerprint, encode)["ids"]
         return self._streams[split]
 
     # Training ---------------------------------------------------------------------------------
