@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from xformer import config as config_lib
@@ -264,3 +265,40 @@ if __name__ == "__main__":
             task = tiny_task(family, os.path.join(sys.argv[1], family))
             assert_same_steps(task, 2, seed=0)
     print("4 devices: equal")
+
+
+@pytest.mark.parametrize("family", ["translation", "lm"])
+def test_dropout_streams_made_from_shapes_train_like_a_built_models(family, tmp_path):
+    """setup makes the RNG-stream state from the shapes alone (no model trace); the train step
+    re-keys every stream, so steps with it equal steps with a constructed model's own state."""
+    dropout = {"model.dropout": 0.3, "model.attention_dropout": 0.2, "model.relu_dropout": 0.1}
+    with jax.enable_x64(True):
+        task = tiny_task(family, str(tmp_path), **dropout)
+        exp = task.exp
+        built = nnx.state(
+            exp.model_cls(exp.model_cfg, rngs=experiment_lib.model_rngs(0)), nnx.Not(nnx.Param)
+        )
+        assert jax.tree.structure(built) == jax.tree.structure(exp.rng_state)
+        rng = np.random.default_rng()
+        carry, batches = task.carry(rng), [task.batch(rng) for _ in range(2)]
+        step = jax.jit(functools.partial(train_step, task))
+        runs = []
+        for rng_state in (exp.rng_state, built):
+            state = exp.init_state(carry)
+            for batch in batches:
+                state, metrics = step(state, rng_state, batch)
+            runs.append((state["params"], metrics))
+        jax.tree.map(np.testing.assert_array_equal, *runs)
+
+
+def test_a_model_keeping_another_rng_stream_is_refused(tmp_path):
+    """Only dropout streams are re-keyed by the train step: a model keeping any other stream
+    would draw the same numbers at every step, so setup refuses it."""
+
+    class KeepsParamsStream(nnx.Module):
+        def __init__(self, cfg, *, rngs: nnx.Rngs):
+            self.linear = nnx.Linear(2, 2, rngs=rngs)
+            self.noise = rngs["params"].fork()
+
+    with pytest.raises(ValueError, match=r"RNG streams \['params'\]"):
+        experiment_lib.setup(config_lib.base_config(), str(tmp_path), KeepsParamsStream, None)

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 from absl import logging as absl_logging
@@ -121,6 +122,31 @@ def model_rngs(seed: int) -> nnx.Rngs:
     return nnx.Rngs(params=seed, dropout=seed)
 
 
+def _dropout_stream_state(model: nnx.Module, mesh: Mesh) -> nnx.State:
+    """The state of an abstract model's RNG streams (all its non-parameter state), replicated
+    on every device of the mesh. Its values reach no computation: the train step re-keys every
+    dropout stream (nnx.reseed) and evaluation draws nothing. So they are made from the shapes
+    alone, without tracing or compiling the model."""
+    state = nnx.state(model, nnx.Not(nnx.Param))
+    others = jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
+    streams = [s for _, s in nnx.graph.iter_graph(model) if isinstance(s, nnx.RngStream)]
+    tags = sorted({stream.key.tag for stream in streams} - {"dropout"})
+    if others or tags:
+        raise ValueError(
+            f"the model keeps {len(others)} non-parameter, non-RNG arrays and RNG streams {tags}: "
+            "the train step sets neither (it re-keys the dropout streams only)"
+        )
+
+    def placeholder(leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jnp.broadcast_to(jax.random.key(0), leaf.shape)
+        return jnp.zeros(leaf.shape, leaf.dtype)
+
+    # jit, not device_put: device_put cannot place an array on other processes' devices
+    make = jax.jit(lambda: jax.tree.map(placeholder, state), out_shardings=NamedSharding(mesh, P()))
+    return make()
+
+
 def quiet_library_logs() -> None:
     """Drop orbax's per-save INFO chatter from absl logs; warnings and errors still show."""
 
@@ -145,12 +171,7 @@ def setup(
     train_graphdef, abstract_params, _ = nnx.split(model, nnx.Param, ...)
     model.eval()
     eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
-    # Only the RNG-stream state is kept; under jit XLA drops the unused parameter init. It is
-    # made on every device of the mesh (device_put cannot copy an array to other processes).
-    rng_state = jax.jit(
-        lambda: nnx.state(model_cls(model_cfg, rngs=model_rngs(0)), nnx.Not(nnx.Param)),
-        out_shardings=NamedSharding(mesh, P()),
-    )()
+    rng_state = _dropout_stream_state(model, mesh)
     return Experiment(
         config=config,
         workdir=workdir,
