@@ -57,7 +57,7 @@ class Experiment:
     def _init(self) -> dict:
         params = nnx.state(self.make_model(model_rngs(self.config.train.seed)), nnx.Param)
         return {
-            "step": jax.numpy.zeros((), jax.numpy.int32),
+            "step": jnp.zeros((), jnp.int32),
             "params": params,
             "opt_state": self.tx.init(params),
         }
@@ -102,7 +102,7 @@ class Experiment:
     def _abstract_train_state(self) -> dict:
         """The shapes and dtypes of `_init`'s state, without tracing the model again."""
         return {
-            "step": jax.ShapeDtypeStruct((), jax.numpy.int32),
+            "step": jax.ShapeDtypeStruct((), jnp.int32),
             "params": self.abstract_params,
             "opt_state": jax.eval_shape(self.tx.init, self.abstract_params),
         }

@@ -158,11 +158,8 @@ class LanguageModelingTask:
             vocab_id = file_digest(self._vocab_path) if self._vocab_path else repr(self.vocab)
             fingerprint = {"files": record_files(source), "vocab": vocab_id}
 
-            def encode() -> dict[str, np.ndarray]:
-                data = corpus_text(d.dataset, source)
-                if isinstance(self.vocab, WordVocab):
-                    return {"ids": self.vocab.encode_lines(data)}
-                return {"ids": self.vocab.encode(data)}
+            def encode() -> dict[str, np.ndarray]:  # (WordVocab.encode is encode_lines)
+                return {"ids": self.vocab.encode(corpus_text(d.dataset, source))}
 
             cache_dir = os.path.join(self._vocab_dir, "encoded")
             name = f"{d.dataset}-{split}"
