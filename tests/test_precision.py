@@ -6,6 +6,7 @@ positional and masking scheme, with padding, packing, memory and cached decoding
 
 import dataclasses
 import functools
+import re
 from pathlib import Path
 
 import jax
@@ -198,6 +199,98 @@ def test_bfloat16_transformer_xl_keeps_its_memory_in_bfloat16():
     tokens = jnp.zeros((2, 4), jnp.int32)
     nll, memory = jax.eval_shape(lambda: model(tokens, tokens, model.init_memory(2, 4)))
     assert nll.dtype == jnp.float32 and memory["states"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_wide_einsum_accumulates_wide_and_differentiates_in_the_operands_dtype(dtype):
+    with jax.enable_x64(dtype == "float64"):
+        rng = np.random.default_rng()
+        spec = "bqhd,bkhd->bhqk"
+        x, y = (jnp.asarray(rng.normal(size=(2, n, 3, 8)), dtype) for n in (5, 7))
+        x64, y64 = (np.asarray(a, np.float64) for a in (x, y))
+        wide = precision.at_least_float32(dtype)
+        out, vjp = jax.vjp(functools.partial(precision.wide_einsum, spec), x, y)
+        assert out.dtype == wide
+        tolerance = {"bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-12}[dtype]
+        np.testing.assert_allclose(out, np.einsum(spec, x64, y64), rtol=tolerance, atol=tolerance)
+        g = jnp.asarray(rng.normal(size=out.shape), wide)
+        dx, dy = vjp(g)
+        assert dx.dtype == dy.dtype == jnp.dtype(dtype)
+        # Reference: the cotangent rounded to the operands' dtype, the products in float64.
+        g64 = np.asarray(g.astype(dtype), np.float64)
+        tolerance = {"bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+        for got, want in (
+            (dx, np.einsum("bhqk,bkhd->bqhd", g64, y64)),
+            (dy, np.einsum("bhqk,bqhd->bkhd", g64, x64)),
+        ):
+            got = np.asarray(got, np.float64)
+            assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
+        if dtype != "bfloat16":  # the plain einsum's own gradients, bit for bit
+            plain = jax.vjp(functools.partial(jnp.einsum, spec), x, y)[1](g)
+            for got, want in zip((dx, dy), plain, strict=True):
+                np.testing.assert_array_equal(got, want)
+
+
+_DOT = re.compile(r"stablehlo\.dot_general[^\n]*:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)")
+
+
+def float32_matmuls(program: str) -> list[str]:
+    """The dot_generals of a lowered program whose operands are both float32 matrices (rank >=
+    2: a LayerNorm's float32 matrix-vector reductions are left out)."""
+    found = []
+    for operands in _DOT.findall(program):
+        if all(t.endswith("xf32>") and t.count("x") >= 2 for t in operands):
+            found.append(" . ".join(operands))
+    return found
+
+
+def _gradient_program(model, loss) -> str:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grad = jax.grad(lambda p: loss(nnx.merge(graphdef, p, rest)))
+    return jax.jit(grad).lower(params).as_text()
+
+
+@pytest.mark.parametrize("family", ["translation", "language_modeling"])
+def test_bfloat16_backward_pass_has_no_float32_matmul(family):
+    """Logits accumulate in float32, but their gradients multiply in bfloat16
+    (precision.wide_einsum): the attention logits on the xla path, the XL relative-position
+    terms, the adaptive softmax's clusters (dense and gathered). Only the float32 LayerNorm
+    reductions remain float32 dots. Before wide_einsum a bfloat16 model's backward pass upcast
+    the other operand and multiplied in float32: 4 float32 matmuls per attention layer, 2 per
+    adaptive cluster."""
+    rng = np.random.default_rng()
+    dims = dict(d_model=16, num_heads=2, d_ff=24, dtype="bfloat16", positional="relative")
+    if family == "translation":
+        cfg = TransformerConfig(
+            src_vocab_size=23, tgt_vocab_size=23, num_encoder_layers=1, num_decoder_layers=1, **dims
+        )
+        model = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+        src, tgt = (jnp.asarray(rng.integers(1, 23, size=(2, 6))) for _ in range(2))
+        weights = jnp.ones(tgt.shape)
+
+        def loss(m):
+            return cross_entropy(m(src, tgt), tgt, weights, label_smoothing=0.1)[0]
+    else:
+        cfg = LMConfig(
+            vocab_size=64,
+            num_decoder_layers=2,
+            mem_len=4,
+            adaptive_cutoffs=(8, 24),
+            div_val=2,
+            adaptive_capacity=0.5,  # the gathered tail rows and their dense fallback
+            **dims,
+        )
+        model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+        tokens, targets = (jnp.asarray(rng.integers(0, 64, size=(2, 6))) for _ in range(2))
+        memory = model.init_memory(2, 4)
+
+        def loss(m):
+            return m(tokens, targets, memory)[0].sum()
+
+    model.eval()  # dropout off: only the matmuls matter here
+    program = _gradient_program(model, loss)
+    assert len(_DOT.findall(program)) > 20  # the pattern reads this jax's program text
+    assert float32_matmuls(program) == []
 
 
 # Fused attention equals the reference ---------------------------------------------------------

@@ -241,9 +241,10 @@ def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def _logits(h: jax.Array, w: jax.Array, b: jax.Array, proj: jax.Array | None) -> jax.Array:
-    """h [..., d_model] -> (h @ proj^T) @ w^T + b [..., n] in b's dtype (the matmuls in h's)."""
+    """h [..., d_model] -> (h @ proj^T) @ w^T + b [..., n] in b's dtype (the matmuls in h's;
+    b's is at_least_float32 of h's)."""
     x = h if proj is None else h @ proj.T
-    return jnp.matmul(x, w.T, preferred_element_type=b.dtype) + b
+    return precision.wide_einsum("...d,nd->...n", x, w) + b
 
 
 def _dense_tail_logp(h, w, b, proj, local, member) -> jax.Array:

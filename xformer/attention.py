@@ -52,8 +52,8 @@ def dot_product_attention(
         )
     elif implementation == "fused":
         return _fused_attention(q, k, v, mask, bias)
-    logits_dtype = precision.at_least_float32(q.dtype)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=logits_dtype)
+    logits = precision.wide_einsum("bqhd,bkhd->bhqk", q, k)
+    logits_dtype = logits.dtype
     logits = logits / math.sqrt(q.shape[-1])
     if bias is not None:
         logits = logits + bias.astype(logits_dtype)

@@ -7,6 +7,9 @@ and decoding scores run in `at_least_float32(dtype)`: float32 for bfloat16 model
 model's own dtype otherwise, so a float64 model has no hidden float32 step.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -21,3 +24,31 @@ def mask_value(dtype) -> float:
     and a fully masked row stays finite (a uniform softmax, never NaN), unlike -inf or a
     constant such as -1e9 that overflows float16."""
     return float(jnp.finfo(dtype).min) / 2
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def wide_einsum(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """jnp.einsum(spec, x, y) accumulated and returned in at_least_float32 of the operands'
+    dtype (logits that a softmax reads), with gradients computed in the operands' dtype.
+
+    Autodiff of an einsum with a float32 `preferred_element_type` would multiply the float32
+    cotangent by the other bfloat16 operand upcast to float32: float32 matmuls (and twice the
+    bytes) in the backward pass of a bfloat16 model. Here the cotangent is rounded to the
+    operands' dtype first, as flash attention rounds its dS, so both gradient matmuls run in
+    bfloat16 on an accelerator. For float32 and float64 operands it is the plain einsum.
+    """
+    return _wide_einsum_fwd(spec, x, y)[0]
+
+
+def _wide_einsum_fwd(spec, x, y):
+    wide = at_least_float32(jnp.result_type(x, y))
+    return jnp.einsum(spec, x, y, preferred_element_type=wide), (x, y)
+
+
+def _wide_einsum_bwd(spec, operands, g):
+    x, y = operands
+    _, vjp = jax.vjp(functools.partial(jnp.einsum, spec), x, y)
+    return vjp(g.astype(jnp.result_type(x, y)))
+
+
+wide_einsum.defvjp(_wide_einsum_fwd, _wide_einsum_bwd)

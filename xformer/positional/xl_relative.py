@@ -110,7 +110,7 @@ class XLRelativePositions(PositionalScheme):
         """r: R [W, d] from `prepare`, or the projections of `prepare_step`."""
         u, v = ((p[layer] if self.untied else p[...]).astype(q.dtype) for p in (self.u, self.v))
         rk = r.rk[layer] if isinstance(r, ProjectedDistances) else self._project(r, layer)
-        acc = precision.at_least_float32(q.dtype)  # accumulate as the content logits do
-        position = jnp.einsum("bqhd,whd->bhqw", q + v, rk, preferred_element_type=acc)
-        content_bias = jnp.einsum("hd,bkhd->bhk", u, k, preferred_element_type=acc)[:, :, None]
+        # accumulated as the content logits are
+        position = precision.wide_einsum("bqhd,whd->bhqw", q + v, rk)
+        content_bias = precision.wide_einsum("hd,bkhd->bhk", u, k)[:, :, None]
         return (content_bias + relative_shift(position, layout.k_len)) / math.sqrt(self.head_dim)
