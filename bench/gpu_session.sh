@@ -17,7 +17,7 @@
 #   ceilings    bf16 8192^3 matmul and device copy (bench/matmul_ceiling.py)
 #   prof_xla    the same profile with XLA's attention
 #   remat       wmt14 bf16 fused, model.remat=none, full and dots: step time and peak memory
-#   prof_xl     wt103_xl bf16 (falls back to XLA attention: head size 41)
+#   prof_xl     wt103_xl bf16 fused (cuDNN on head size 41 padded to 48)
 # `bash bench/gpu_session.sh STEP...` runs only those steps. Everything is written under
 # $WORK/out; $OUT (the device's return folder, at most 8 files; default workdirs/gpu_session)
 # receives summary.txt, session.tgz (every log, JSON and metrics file; no checkpoints) and
@@ -94,21 +94,17 @@ step_facts() {
     2>&1 | tail -n 1 | tee -a "$LOGS/summary.txt"
 }
 
-step_mt() {
-  run mt_train 150 "$PY" train.py --config=configs/multi30k_ende.py --workdir="$WORK/mt" \
-    "${cli[@]}" "--config.data.eval_split=$mt_split" &&
-    run mt_eval 30 "$PY" eval.py --workdir="$WORK/mt" "--split=$mt_split"
-  show mt_train "attention_impl|fall|step $STEPS/|finished|at step"
-  show mt_eval "attention_impl|fall|BLEU|bleu"
+train_and_eval() {  # name, config, eval split during training, eval.py's split, seconds needed
+  local name="$1" config="$2" during="$3" split="$4" need="$5"
+  run "${name}_train" "$need" "$PY" train.py --config="configs/$config.py" \
+    --workdir="$WORK/$name" "${cli[@]}" "--config.data.eval_split=$during" &&
+    run "${name}_eval" 30 "$PY" eval.py --workdir="$WORK/$name" "--split=$split"
+  show "${name}_train" "attention_impl|fall|step $STEPS/|finished|at step"
+  show "${name}_eval" "attention_impl|fall|BLEU|bleu|ppl|nll"
 }
 
-step_ptb() {
-  run ptb_train 120 "$PY" train.py --config=configs/ptb_xl.py --workdir="$WORK/ptb" \
-    "${cli[@]}" "--config.data.eval_split=${ptb_split/test/valid}" &&
-    run ptb_eval 30 "$PY" eval.py --workdir="$WORK/ptb" "--split=$ptb_split"
-  show ptb_train "attention_impl|fall|step $STEPS/|finished|at step"
-  show ptb_eval "attention_impl|fall|ppl|nll"
-}
+step_mt() { train_and_eval mt multi30k_ende "$mt_split" "$mt_split" 150; }
+step_ptb() { train_and_eval ptb ptb_xl "${ptb_split/test/valid}" "$ptb_split" 120; }
 
 step_prof_fused() { throughput prof_fused --configs wmt14 --impls fused --profile 3; }
 step_prof_xla() { throughput prof_xla --configs wmt14 --impls xla --profile 3; }

@@ -382,6 +382,55 @@ def test_fused_attention_equals_reference_under_each_mask(kind, dtype):
         assert_close(fused_g, g, dtype, f"d{name}")
 
 
+@pytest.mark.parametrize("head_size", [5, 8, 41])
+def test_cudnn_gets_head_sizes_padded_to_a_multiple_of_8(head_size, monkeypatch):
+    """On a GPU, a head size cuDNN refuses (not a multiple of 8: WikiText-103's 41) is
+    zero-padded for it, with the true size's scale. Here a stand-in for cuDNN on the CPU
+    refuses what cuDNN refuses (head size, dtype) and otherwise computes jax's XLA attention
+    of what it is given; output and gradients (q, k, v, bias) equal jax's unpadded call."""
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+        if implementation == "cudnn":
+            if q.shape[-1] % 8 or q.dtype not in (jnp.bfloat16, jnp.float16):
+                raise ValueError(f"cuDNN refuses head size {q.shape[-1]} in {q.dtype}")
+            calls.append(q.shape[-1])
+        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 6, 3, head_size)), jnp.bfloat16) for _ in "qkv")
+    bias = jnp.asarray(rng.normal(size=(1, 3, 6, 6)), jnp.bfloat16)
+    mask = jnp.tril(jnp.ones((6, 6), bool))[None, None]
+    weights = rng.normal(size=q.shape)
+
+    def grads(attention):
+        def loss(q, k, v, bias):
+            return (attention(q, k, v, bias).astype(jnp.float32) * weights).sum()
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    scale = 1 / np.sqrt(head_size)
+    want = grads(lambda *qkvb: real(*qkvb, mask, scale=scale, implementation="xla"))
+    with monkeypatch.context() as patch:
+        patch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        got = grads(
+            lambda q, k, v, bias: dot_product_attention(
+                q, k, v, mask, bias=bias, implementation="fused"
+            )
+        )
+    assert calls and set(calls) == {-(-head_size // 8) * 8}  # cuDNN served every call
+    for name, g, w in zip(
+        ["loss", "dq", "dk", "dv", "dbias"],
+        jax.tree.leaves(got),
+        jax.tree.leaves(want),
+        strict=True,
+    ):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert_close(g, w, "float32", name)  # the same computation, up to summation order
+
+
 # Whole models: fused equals xla, bfloat16 trains like float32 -----------------------------------
 
 
