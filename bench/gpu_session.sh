@@ -144,9 +144,11 @@ for dir in mt ptb; do
   mkdir -p "$LOGS/$dir"
   cp "$WORK/$dir"/*.json* "$LOGS/$dir/" 2>/dev/null || true
 done
-for trace in "$LOGS"/prof_* "$LOGS"/remat_*; do
+exclude=()  # the traces travel apart from session.tgz (only prof_* steps trace)
+for trace in "$LOGS"/prof_*/; do
   [[ -d "$trace" ]] || continue
   name="$(basename "$trace")"
+  exclude+=(--exclude="./$name")
   tar czf "$WORK/trace_$name.tgz" -C "$LOGS" "$name"
   if (($(stat -c %s "$WORK/trace_$name.tgz") < 15 * 2 ** 20)); then
     mv "$WORK/trace_$name.tgz" "$OUT/"
@@ -156,9 +158,5 @@ for trace in "$LOGS"/prof_* "$LOGS"/remat_*; do
 done
 note "gpu_session: done after $((SECONDS - started)) s"
 cp "$LOGS/summary.txt" "$OUT/summary.txt"
-exclude=()
-for trace in "$LOGS"/prof_* "$LOGS"/remat_*; do
-  [[ -d "$trace" ]] && exclude+=(--exclude="./$(basename "$trace")")
-done
 tar czf "$OUT/session.tgz" "${exclude[@]}" -C "$LOGS" .
 ls -la "$OUT"
