@@ -281,3 +281,97 @@ def test_step_profiler_saves_the_program_and_the_cli_ranks_its_ops(tmp_path, cap
     assert printed.startswith(f"2 steps on the host plane of {trace}")
     assert f"| {matmuls[0]['op']} | matmul | f32[256,256] |" in printed
     assert json.loads(out.read_text())["top_ops"][0]["op"] == summary["top_ops"][0]["op"]
+
+
+PROGRAM = """HloModule jit_train_step
+
+%fused_split (param_0: f32[8,96]) -> (f32[8,32], f32[8,32], f32[8,32]) {
+  %param_0 = f32[8,96]{1,0} parameter(0)
+  %bitcast.1 = f32[8,96]{1,0} bitcast(%param_0)
+  %slice.1 = f32[8,32]{1,0} slice(%bitcast.1), slice={[0:8], [0:32]}
+  %slice.2 = f32[8,32]{1,0} slice(%bitcast.1), slice={[0:8], [32:64]}
+  %slice.3 = f32[8,32]{1,0} slice(%param_0), slice={[0:8], [64:96]}
+  ROOT %tuple.1 = (f32[8,32]{1,0}, f32[8,32]{1,0}, f32[8,32]{1,0}) tuple(%slice.1, %slice.2, %slice.3)
+}
+
+%fused_gemm (param_0.1: f32[8,32], param_1.1: f32[32,16]) -> f32[8,16] {
+  %param_0.1 = f32[8,32]{1,0} parameter(0)
+  %param_1.1 = f32[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,16]{1,0} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_scale (param_0.2: f32[8,16]) -> f32[8,16] {
+  %param_0.2 = f32[8,16]{1,0} parameter(0)
+  ROOT %multiply.1 = f32[8,16]{1,0} multiply(%param_0.2, %param_0.2)
+}
+
+%body (loop: f32[8,16]) -> f32[8,16] {
+  %loop = f32[8,16]{1,0} parameter(0)
+  ROOT %loop_fusion = f32[8,16]{1,0} fusion(%loop), kind=kLoop, calls=%fused_scale
+}
+
+%cond (loop.1: f32[8,16]) -> pred[] {
+  %loop.1 = f32[8,16]{1,0} parameter(0)
+  ROOT %constant.1 = pred[] constant(true)
+}
+
+%cheap (branch: f32[8,16]) -> f32[8,16] {
+  ROOT %branch = f32[8,16]{1,0} parameter(0)
+}
+
+%costly (branch.1: f32[8,16]) -> f32[8,16] {
+  %branch.1 = f32[8,16]{1,0} parameter(0)
+  ROOT %branch_fusion = f32[8,16]{1,0} fusion(%branch.1), kind=kLoop, calls=%fused_scale
+}
+
+ENTRY %main (p: f32[8,96], w: f32[32,16], flag: s32[]) -> f32[8,16] {
+  %p = f32[8,96]{1,0} parameter(0)
+  %w = f32[32,16]{1,0} parameter(1)
+  %flag = s32[] parameter(2)
+  %split_fusion = (f32[8,32]{1,0}, f32[8,32]{1,0}, f32[8,32]{1,0}) fusion(%p), kind=kLoop, calls=%fused_split
+  %q = f32[8,32]{1,0} get-tuple-element(%split_fusion), index=0
+  %gemm_fusion = f32[8,16]{1,0} fusion(%q, %w), kind=kCustom, calls=%fused_gemm
+  %while.1 = f32[8,16]{1,0} while(%gemm_fusion), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %conditional.1 = f32[8,16]{1,0} conditional(%flag, %while.1, %while.1), branch_computations={%cheap, %costly}
+  %all-reduce-start = f32[8,16]{1,0} all-reduce-start(%conditional.1), replica_groups={}, to_apply=%fused_scale
+  ROOT %all-reduce-done = f32[8,16]{1,0} all-reduce-done(%all-reduce-start)
+}
+"""  # noqa: E501 (HLO lines as XLA writes them)
+
+
+def test_kernels_and_floors_of_a_program():
+    """What one run executes: the entry's kernels, a while body x its trip count, the costlier
+    branch of a conditional, no bookkeeping ops and no async ends; a fusion that only slices
+    its operand reads the slices; each floor is max(FLOPs / rate, bytes / bandwidth)."""
+    f32 = 4
+    runs = {op.name: times for op, times in op_profile.kernels(PROGRAM)}
+    assert runs == {
+        "split_fusion": 1,
+        "gemm_fusion": 1,
+        "loop_fusion": 3,
+        "branch_fusion": 1,
+        "all-reduce-start": 1,
+    }
+    ops = op_profile.parse_hlo(PROGRAM)
+    assert ops["split_fusion"].bytes == 2 * 3 * 8 * 32 * f32  # three slices read, three written
+    assert ops["gemm_fusion"].bytes == (8 * 32 + 32 * 16 + 8 * 16) * f32
+    assert ops["gemm_fusion"].flops == 2 * 8 * 16 * 32
+    assert ops["loop_fusion"].bytes == 2 * 8 * 16 * f32
+
+    summary = op_profile.floors(PROGRAM, flops_per_s=1e3, bytes_per_s=1e4, top=2)
+    seconds = {
+        "split_fusion": 2 * 768 * f32 / 1e4,
+        "gemm_fusion": max(8192 / 1e3, 896 * f32 / 1e4),  # compute-bound
+        "loop_fusion": 3 * 256 * f32 / 1e4,
+        "branch_fusion": 256 * f32 / 1e4,
+        "all-reduce-start": 256 * f32 / 1e4,
+    }
+    assert summary["kernels"] == 7
+    assert summary["floor_ms"] == pytest.approx(1e3 * sum(seconds.values()))
+    assert summary["compute_floor_ms"] == pytest.approx(1e3 * 8192 / 1e3)
+    moved = sum(ops[name].bytes * n for name, n in runs.items())
+    assert summary["gb"] == pytest.approx(moved / 1e9)
+    assert [r["op"] for r in summary["top_ops"]] == ["gemm_fusion", "split_fusion"]
+    assert sum(c["kernels"] for c in summary["categories"]) == 7
+    text = op_profile.format_floors(summary)
+    assert text.startswith("7 kernels a step") and "| gemm_fusion | matmul | f32[8,16] |" in text

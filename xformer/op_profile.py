@@ -55,8 +55,9 @@ class Op:
     shapes: str  # every shape in the op and its fused body (for shape-based categories)
     source: str  # innermost user frame "path:function:line", path relative to the package
     op_name: str  # jax's op name path, e.g. "jit(train_step)/transpose(jvp())/dot_general"
-    bytes: int = 0  # its operands' and result's sizes: what it reads and writes at least
+    bytes: int = 0  # its result's size and its operands' (only the parts a fusion slices out)
     flops: int = 0  # 2 x multiply-adds of its matmuls (dots, GEMM custom calls)
+    computation: str = ""  # the computation holding it (ENTRY's name for the program's own ops)
 
 
 def _frames(hlo: str) -> dict[int, str]:
@@ -150,17 +151,17 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
         if m and current is not None:
             shape = re.sub(r"\{[^}]*\}", "", m[2])  # layouts and tiling dropped
             shapes[m[1]] = shape
-            bodies[current].append((m[3], shape, line))
-            rows.append((m[1], shape, m[3], line))
+            bodies[current].append((m[1], m[3], shape, line))
+            rows.append((m[1], shape, m[3], line, current))
     ops = {}
-    for name, shape, opcode, line in rows:
+    for name, shape, opcode, line, computation in rows:
         called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", line)
         body = bodies.get(called[1], []) if called else []
         target = re.search(r'custom_call_target="([^"]*)"', line)
-        kind = _kind(opcode, target[1] if target else "", {o for o, _, _ in body})
+        kind = _kind(opcode, target[1] if target else "", {o for _, o, _, _ in body})
         flops = 0
         if kind == "matmul":
-            parts = [(o, s, b) for o, s, b in body if o == "dot"] or [(opcode, shape, line)]
+            parts = [(o, s, b) for _, o, s, b in body if o == "dot"] or [(opcode, shape, line)]
             flops = sum(_dot_flops(b, o, s, shapes) for o, s, b in parts)
         op_name = re.search(r'op_name="([^"]*)"', line)
         frame = re.search(r"stack_frame_id=(\d+)", line)
@@ -169,15 +170,48 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
             opcode=opcode,
             kind=kind,
             shape=shape,
-            shapes=" ".join([shape, *(s for _, s, _ in body)]),
+            shapes=" ".join([shape, *(s for _, _, s, _ in body)]),
             source=frames.get(int(frame[1]), "") if frame else "",
             op_name=op_name[1] if op_name else "",
             bytes=0
             if kind == "control flow"
-            else _bytes(shape) + sum(_bytes(shapes.get(o, "")) for o in _operands(opcode, line)),
+            else _bytes(shape) + _read(opcode, line, body, shapes),
             flops=flops,
+            computation=computation,
         )
     return ops
+
+
+SLICES = ("slice", "dynamic-slice", "gather")
+VIEWS = ("bitcast", "reshape", "convert")  # element for element: slicing one reads as little
+
+
+def _read(opcode: str, line: str, body: list[tuple], shapes: dict[str, str]) -> int:
+    """Bytes of an op's operands; of a fused parameter that the fusion only slices or gathers
+    from (also through VIEWS), the slices' (q, k and v cut from one projection: a third each)."""
+    users = collections.defaultdict(list)  # name -> [(opcode, shape, name)] in the fused body
+    params = {}
+    for name, op, shape, text in body:
+        if op == "parameter":
+            params[int(re.search(r"parameter\((\d+)\)", text)[1])] = name
+        for operand in _operands(op, text):
+            users[operand].append((op, shape, name))
+
+    def sliced(name: str) -> int | None:
+        """Bytes read from `name` if only slices read it, else None."""
+        total = 0
+        for op, shape, user in users[name]:
+            part = sliced(user) if op in VIEWS else _bytes(shape) if op in SLICES else None
+            if part is None:
+                return None
+            total += part
+        return total if users[name] else None
+
+    total = 0
+    for i, operand in enumerate(_operands(opcode, line)):
+        part = sliced(params[i]) if i in params else None
+        total += _bytes(shapes.get(operand, "")) if part is None else part
+    return total
 
 
 def _from_package(*files: str) -> Callable[[Op], bool]:
@@ -201,6 +235,123 @@ CATEGORIES: tuple[Category, ...] = (  # first match wins
     ("optimizer", lambda op: op.source.startswith("train_lib.py") or "optax" in op.op_name),
     ("other", lambda op: True),
 )
+
+
+NO_KERNEL = ("parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all")
+
+
+def kernels(hlo: str, ops: dict[str, Op] | None = None) -> list[tuple[Op, float]]:
+    """The ops one run of the program executes, each with how many times it runs: the entry
+    computation's, those of while bodies (x their known trip count, else once) and of the
+    costliest branch of each conditional (by bytes + FLOPs). Bookkeeping ops (parameter,
+    tuple, bitcast, ...) and the ends of async pairs are left out."""
+    ops = ops if ops is not None else parse_hlo(hlo)
+    by_computation = collections.defaultdict(list)
+    for op in ops.values():
+        by_computation[op.computation].append(op)
+    entry = re.search(r"^ENTRY %([\w.\-]+) ", hlo, re.M)
+    lines = {m[1]: m[0] for m in re.finditer(r"^\s+(?:ROOT )?%([\w.\-]+) = .*$", hlo, re.M)}
+
+    def walk(computation: str, times: float) -> list[tuple[Op, float]]:
+        out = []
+        for op in by_computation.get(computation, []):
+            line = lines.get(op.name, "")
+            if op.opcode == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                n = times * (int(trips[1]) if trips else 1)
+                for key in ("body", "condition"):
+                    called = re.search(rf"{key}=%([\w.\-]+)", line)
+                    out += walk(called[1], n) if called else []
+            elif op.opcode == "conditional":
+                names = re.search(r"branch_computations=\{([^}]*)\}", line)
+                names = re.findall(r"%([\w.\-]+)", names[1] if names else line.split("),")[-1])
+                branches = [walk(b, times) for b in names if b in by_computation]
+                out += max(branches, key=lambda k: sum((o.bytes + o.flops) * t for o, t in k))
+            elif op.opcode not in NO_KERNEL and not op.opcode.endswith("-done"):
+                out.append((op, times))
+        return out
+
+    return walk(entry[1], 1.0) if entry else []
+
+
+def floors(
+    hlo: str,
+    flops_per_s: float,
+    bytes_per_s: float,
+    *,
+    categories: Iterable[Category] = CATEGORIES,
+    top: int = 20,
+) -> dict:
+    """A roofline of a compiled program without running it: each kernel's floor is
+    max(FLOPs / flops_per_s, bytes / bytes_per_s) (`Op.bytes`, `Op.flops`), summed per step,
+    by category and ranked. A floor, not a forecast: real kernels miss both peaks, launches
+    cost time, and a fused attention call's FLOPs are not counted (its floor is its bytes)."""
+    categories = tuple(categories)
+    by_category = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    rows = []
+    for op, times in kernels(hlo):
+        floor = times * max(op.flops / flops_per_s, op.bytes / bytes_per_s)
+        category = next(label for label, test in categories if test(op))
+        for i, value in enumerate((times, times * op.bytes, times * op.flops, floor)):
+            by_category[category][i] += value
+        rows.append(
+            {
+                "op": op.name,
+                "kind": op.kind,
+                "category": category,
+                "shape": op.shape,
+                "source": op.source,
+                "runs": times,
+                "gb": times * op.bytes / 1e9,
+                "gflop": times * op.flops / 1e9,
+                "floor_ms": 1e3 * floor,
+            }
+        )
+    rows.sort(key=lambda r: -r["floor_ms"])
+    out = [
+        {"category": c, "kernels": k, "gb": b / 1e9, "gflop": f / 1e9, "floor_ms": 1e3 * t}
+        for c, (k, b, f, t) in sorted(by_category.items(), key=lambda kv: -kv[1][3])
+    ]
+    total = [sum(r[key] for r in out) for key in ("kernels", "gb", "gflop", "floor_ms")]
+    return {
+        "kernels": total[0],
+        "gb": total[1],
+        "gflop": total[2],
+        "floor_ms": total[3],
+        "compute_floor_ms": 1e3 * total[2] * 1e9 / flops_per_s,
+        "memory_floor_ms": 1e3 * total[1] * 1e9 / bytes_per_s,
+        "categories": out,
+        "top_ops": rows[:top],
+    }
+
+
+def format_floors(summary: dict) -> str:
+    """Markdown: a header line, the category table and the top kernels."""
+    lines = [
+        f"{summary['kernels']:,.0f} kernels a step, {summary['gb']:,.1f} GB at their boundaries, "
+        f"{summary['gflop']:,.0f} GFLOP in matmuls: floor {summary['floor_ms']:.2f} ms "
+        f"(matmuls alone at peak {summary['compute_floor_ms']:.2f} ms, every byte at peak "
+        f"bandwidth {summary['memory_floor_ms']:.2f} ms)",
+        "",
+        "| category | kernels | GB | GFLOP | floor ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['category']} | {r['kernels']:,.0f} | {r['gb']:,.2f} | {r['gflop']:,.0f} | "
+        f"{r['floor_ms']:.2f} |"
+        for r in summary["categories"]
+    ]
+    lines += [
+        "",
+        "| op | kind | shape | source (innermost) | runs | GB | GFLOP | floor ms |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['op']} | {r['kind']} | {r['shape'][:60]} | {r['source']} | {r['runs']:g} | "
+        f"{r['gb']:.3f} | {r['gflop']:,.0f} | {r['floor_ms']:.3f} |"
+        for r in summary["top_ops"]
+    ]
+    return "\n".join(lines)
 
 
 def _stats(event) -> dict:
