@@ -176,6 +176,45 @@ def check_nonfinite_step_is_skipped(family: str, workdir: str) -> None:
         assert sum(jax.tree.leaves(changed)) > len(jax.tree.leaves(changed)) / 2
 
 
+def test_the_select_skips_a_step_like_the_cond(monkeypatch, tmp_path):
+    """The GPU's form of the skip (train_lib.SKIP_BY_SELECT: a select after the update) against
+    the CPU's (a cond around it): finite steps update alike (to float64 rounding: the two
+    programs fuse differently), and a non-finite step leaves the state exactly as it was."""
+    from xformer import train_lib
+
+    with jax.enable_x64(True):
+        task = tiny_task("language_modeling", str(tmp_path), **{"train.nonfinite": "skip"})
+        rng = np.random.default_rng()
+        start = task.exp.init_state(task.carry(rng))
+        finite = [task.batch(rng), task.batch(rng)]  # the first at the warm-up's rate 0
+        nonfinite = task.batch(rng)
+        nonfinite["weights"][1, 3] = np.nan
+        after = {}
+        for form, platforms in (("cond", frozenset()), ("select", frozenset({"cpu"}))):
+            monkeypatch.setattr(train_lib, "SKIP_BY_SELECT", platforms)
+            step = jax.jit(lambda s, b: train_step(task, s, task.exp.rng_state, b))
+            state = start
+            for batch in finite:
+                state, out = step(state, batch)
+                assert float(out["nonfinite"]) == 0.0
+            skipped, out = step(state, nonfinite)
+            assert float(out["nonfinite"]) == 1.0
+            state, skipped = jax.device_get((state, skipped))
+            for part in ("params", "opt_state"):
+                jax.tree.map(np.testing.assert_array_equal, skipped[part], state[part])
+            after[form] = state
+    # Adam's m / sqrt(v) turns last-bit differences of tiny gradients into ~1e-11 relative ones
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12),
+        after["select"],
+        after["cond"],
+    )
+    moved = jax.tree.map(
+        lambda a, b: not np.allclose(a, b), after["select"]["params"], start["params"]
+    )
+    assert sum(jax.tree.leaves(moved)) > len(jax.tree.leaves(moved)) / 2
+
+
 @pytest.mark.slow  # ~30 s: 2 train.py runs
 @pytest.mark.usefixtures("ptb")
 def test_divergence_stops_or_skips(tmp_path, tfds_dir):
