@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from xformer import layer_norm
 from xformer.layer_norm import LayerNorm
 
 EPS = 1e-6
@@ -34,8 +35,12 @@ def random_layer(rng, d, dtype=jnp.float64) -> LayerNorm:
     return layer
 
 
+@pytest.mark.parametrize("backward", ["matvec", "reduce"])
 @pytest.mark.parametrize("shape", [(3, 5, 16), (7, 32)])
-def test_forward_and_gradients_match_references(shape):
+def test_forward_and_gradients_match_references(shape, backward, monkeypatch):
+    """Both forms of the backward: products with scale (CPU) and row reductions (GPU)."""
+    platforms = {jax.default_backend()} if backward == "matvec" else set()
+    monkeypatch.setattr(layer_norm, "MATVEC_PLATFORMS", frozenset(platforms))
     rng = np.random.default_rng()
     with jax.enable_x64(True):
         layer = random_layer(rng, shape[-1])
