@@ -17,10 +17,11 @@ machine's as target_config.txtpb). JAX makes compile-only devices of it
 (`jax.experimental.topologies.get_topology_desc`), and the step of bench/gpu_throughput.py
 (real configs, synthetic batches, state donated) is lowered onto them and compiled. The
 attention module picks cuDNN by `jax.default_backend()`, which is "cpu" here, so it is told
-"gpu" while the step is traced. XLA cannot autotune without a device: its GEMM tilings, and
-with them which epilogues it fuses, can differ from a compile on the GPU; the kernels around
-them, the copies, the cuDNN calls and the buffers are what the GPU compiler makes of the
-program.
+"gpu" while the step is traced. XLA cannot autotune without a device, so GEMMs go to cuBLAS
+(CUBLAS below; set XLA_FLAGS=--xla_gpu_enable_triton_gemm=true to see Triton's untuned ones):
+on the GPU the autotuner may pick Triton for some, fusing other neighbours into them. The rest,
+the kernels around the GEMMs, the copies, the cuDNN calls and the buffers, are what the GPU
+compiler makes of the program.
 
 Reported per setting: compile time; kernels a step by kind; copies (count, GB); cuDNN
 attention calls; XLA's memory analysis (arguments + outputs - donated + temporaries: the
@@ -48,6 +49,11 @@ import gpu_throughput as gt
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Without a device XLA cannot autotune its Triton GEMM tilings: its untuned pick (16 x 8 tiles)
+# is nothing a GPU would run, and for some shapes (ptb_xl's [2240, 256] x [256, 256]) it finds
+# none and the compile fails. cuBLAS GEMMs, with the bias and activation epilogues XLA fuses
+# into them, are one of the autotuner's candidates, and every shape compiles.
+CUBLAS = "--xla_gpu_enable_triton_gemm=false"
 
 
 def compile_only_mesh(target: str):
@@ -121,6 +127,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " " + CUBLAS
     import jax
 
     from xformer import op_profile

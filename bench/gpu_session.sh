@@ -92,6 +92,11 @@ step_facts() {
     2>&1 | tee -a "$LOGS/summary.txt"
   "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
     2>&1 | tail -n 1 | tee -a "$LOGS/summary.txt"
+  # the device's own description, for bench/gpu_compile.py --target on machines without a GPU
+  "$PY" -c "import jax, sys; from jax._src.lib import xla_client as xc
+try: c = xc.get_topology_for_devices(jax.devices()).target_config; open(sys.argv[1], 'w').write(c)
+except Exception as e: print('no target config:', repr(e)[:200])" "$LOGS/target_config.txtpb" \
+    2>&1 | tail -n 1 | tee -a "$LOGS/summary.txt"
 }
 
 train_and_eval() {  # name, config, eval split during training, eval.py's split, seconds needed

@@ -14,6 +14,10 @@ device's copy bandwidth, `bench/matmul_ceiling.py --copy_gib`) and, for matmuls,
     python -m xformer.op_profile <workdir>/profile          # the newest trace under it
     python -m xformer.op_profile <run folder> --top 40 --json summary.json
 
+Without a trace, `kernels` lists the ops one run of a program executes and `floors` bounds
+their time from below, each at max(FLOPs / peak rate, bytes / bandwidth), by the same
+categories (bench/gpu_compile.py: a GPU program compiled on a machine without a GPU).
+
 Caveats: XLA:CPU runs independent thunks concurrently and Eigen dots finish asynchronously, so
 single CPU ops can be mis-timed while totals stay close to the wall time. On a GPU, kernels
 that run inside a CUDA graph are attributed to the graph's command-buffer op; set
