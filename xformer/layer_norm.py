@@ -9,8 +9,8 @@ train step in bench/cpu_vs_pytorch.py). On XLA:CPU (MATVEC_PLATFORMS) the two fe
 reductions of the backward are therefore matrix-vector products with scale, and the broadcast
 stays inside elementwise fusions. Elsewhere they stay reductions: XLA:GPU feeds a product from
 a float32 [2N, d] operand that it writes and reads back, where its row reductions fuse with
-the rest of the backward (bench/gpu_compile.py, wmt14 bf16 on an H100: 54 fewer kernels and
-5.2 GB less at their boundaries per step).
+the rest of the backward (bench/gpu_compile.py, wmt14 bf16 on an H100: 1,420 -> 1,360 kernels
+and 72.2 -> 63.7 GB at their boundaries per step).
 """
 
 import functools
