@@ -23,7 +23,8 @@ on the GPU the autotuner may pick Triton for some, fusing other neighbours into 
 the kernels around the GEMMs, the copies, the cuDNN calls and the buffers, are what the GPU
 compiler makes of the program.
 
-Reported per setting: compile time; kernels a step by kind; copies (count, GB); cuDNN
+Reported per setting (of each conditional, the costliest branch counts; `--cheapest-branch`
+the other way): compile time; kernels a step by kind; copies (count, GB); cuDNN
 attention calls; XLA's memory analysis (arguments + outputs - donated + temporaries: the
 step's peak, as bench/gpu_throughput.py reports it); and `op_profile.floors`: each kernel's
 floor max(FLOPs / peak, bytes / bandwidth) summed by category, with the top kernels. The
@@ -123,6 +124,12 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="default: by device")
     parser.add_argument("--set", action="append", default=[], help="[model:]key=value")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by floor")
+    parser.add_argument(
+        "--cheapest-branch",
+        action="store_true",
+        help="count each conditional's cheapest branch, not its costliest (e.g. wt103_xl's "
+        "adaptive softmax: the sparse path, not the capacity overflow's dense fallback)",
+    )
     parser.add_argument("--hlo-dir", help="save each setting's optimized HLO here")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
@@ -165,8 +172,11 @@ def main() -> None:
                     - memory.alias_size_in_bytes
                     + memory.temp_size_in_bytes
                 )
-                ops = op_profile.kernels(hlo)
-                floors = op_profile.floors(hlo, peak * 1e12, bandwidth, top=args.top)
+                costliest = not args.cheapest_branch
+                ops = op_profile.kernels(hlo, costliest=costliest)
+                floors = op_profile.floors(
+                    hlo, peak * 1e12, bandwidth, top=args.top, costliest=costliest
+                )
                 flops = gt.analytic_flops(config, vocab)
                 analytic = flops["matmul"] + flops["attention"]
                 result = {

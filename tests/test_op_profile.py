@@ -375,3 +375,7 @@ def test_kernels_and_floors_of_a_program():
     assert sum(c["kernels"] for c in summary["categories"]) == 7
     text = op_profile.format_floors(summary)
     assert text.startswith("7 kernels a step") and "| gemm_fusion | matmul | f32[8,16] |" in text
+    cheap = {op.name for op, _ in op_profile.kernels(PROGRAM, costliest=False)}
+    assert cheap == set(runs) - {"branch_fusion"}
+    cheap_floor = op_profile.floors(PROGRAM, 1e3, 1e4, costliest=False)["floor_ms"]
+    assert cheap_floor == pytest.approx(summary["floor_ms"] - 1e3 * seconds["branch_fusion"])

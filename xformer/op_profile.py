@@ -244,11 +244,14 @@ CATEGORIES: tuple[Category, ...] = (  # first match wins
 NO_KERNEL = ("parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all")
 
 
-def kernels(hlo: str, ops: dict[str, Op] | None = None) -> list[tuple[Op, float]]:
+def kernels(
+    hlo: str, ops: dict[str, Op] | None = None, *, costliest: bool = True
+) -> list[tuple[Op, float]]:
     """The ops one run of the program executes, each with how many times it runs: the entry
-    computation's, those of while bodies (x their known trip count, else once) and of the
-    costliest branch of each conditional (by bytes + FLOPs). Bookkeeping ops (parameter,
-    tuple, bitcast, ...) and the ends of async pairs are left out."""
+    computation's, those of while bodies (x their known trip count, else once) and of one
+    branch of each conditional, the costliest by bytes + FLOPs (else the cheapest: e.g. when
+    the costly branch is a fallback that rarely runs). Bookkeeping ops (parameter, tuple,
+    bitcast, ...) and the ends of async pairs are left out."""
     ops = ops if ops is not None else parse_hlo(hlo)
     by_computation = collections.defaultdict(list)
     for op in ops.values():
@@ -270,7 +273,8 @@ def kernels(hlo: str, ops: dict[str, Op] | None = None) -> list[tuple[Op, float]
                 names = re.search(r"branch_computations=\{([^}]*)\}", line)
                 names = re.findall(r"%([\w.\-]+)", names[1] if names else line.split("),")[-1])
                 branches = [walk(b, times) for b in names if b in by_computation]
-                out += max(branches, key=lambda k: sum((o.bytes + o.flops) * t for o, t in k))
+                pick = max if costliest else min
+                out += pick(branches, key=lambda k: sum((o.bytes + o.flops) * t for o, t in k))
             elif op.opcode not in NO_KERNEL and not op.opcode.endswith("-done"):
                 out.append((op, times))
         return out
@@ -285,15 +289,16 @@ def floors(
     *,
     categories: Iterable[Category] = CATEGORIES,
     top: int = 20,
+    costliest: bool = True,
 ) -> dict:
-    """A roofline of a compiled program without running it: each kernel's floor is
-    max(FLOPs / flops_per_s, bytes / bytes_per_s) (`Op.bytes`, `Op.flops`), summed per step,
+    """A roofline of a compiled program without running it: each kernel's (`kernels`, with
+    `costliest`) floor is max(FLOPs / flops_per_s, bytes / bytes_per_s), summed per step,
     by category and ranked. A floor, not a forecast: real kernels miss both peaks, launches
     cost time, and a fused attention call's FLOPs are not counted (its floor is its bytes)."""
     categories = tuple(categories)
     by_category = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     rows = []
-    for op, times in kernels(hlo):
+    for op, times in kernels(hlo, costliest=costliest):
         floor = times * max(op.flops / flops_per_s, op.bytes / bytes_per_s)
         category = next(label for label, test in categories if test(op))
         for i, value in enumerate((times, times * op.bytes, times * op.flops, floor)):
