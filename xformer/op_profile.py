@@ -274,7 +274,8 @@ def kernels(
                 names = re.findall(r"%([\w.\-]+)", names[1] if names else line.split("),")[-1])
                 branches = [walk(b, times) for b in names if b in by_computation]
                 pick = max if costliest else min
-                out += pick(branches, key=lambda k: sum((o.bytes + o.flops) * t for o, t in k))
+                cost = lambda k: sum((o.bytes + o.flops) * t for o, t in k)  # noqa: E731
+                out += pick(branches, key=cost) if branches else []
             elif op.opcode not in NO_KERNEL and not op.opcode.endswith("-done"):
                 out.append((op, times))
         return out
