@@ -35,12 +35,13 @@ def random_layer(rng, d, dtype=jnp.float64) -> LayerNorm:
     return layer
 
 
-@pytest.mark.parametrize("backward", ["matvec", "reduce"])
+@pytest.mark.parametrize("form", ["cpu", "other"])
 @pytest.mark.parametrize("shape", [(3, 5, 16), (7, 32)])
-def test_forward_and_gradients_match_references(shape, backward, monkeypatch):
-    """Both forms of the backward: products with scale (CPU) and row reductions (GPU)."""
-    platforms = {jax.default_backend()} if backward == "matvec" else set()
-    monkeypatch.setattr(layer_norm, "MATVEC_PLATFORMS", frozenset(platforms))
+def test_forward_and_gradients_match_references(shape, form, monkeypatch):
+    """Both forms: XLA:CPU's (normalized kept, products with scale) and the others' (x and
+    its statistics kept, row reductions)."""
+    platforms = {jax.default_backend()} if form == "cpu" else set()
+    monkeypatch.setattr(layer_norm, "CPU_FORM_PLATFORMS", frozenset(platforms))
     rng = np.random.default_rng()
     with jax.enable_x64(True):
         layer = random_layer(rng, shape[-1])

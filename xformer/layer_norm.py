@@ -5,12 +5,17 @@ scale + bias with the statistics in at least float32. Why a custom VJP: autodiff
 reduces g * broadcast(scale) over the features; XLA:CPU fuses that multiply into a YNNPACK
 reduction, which cannot take the broadcast in, so every LayerNorm materialised scale
 broadcast to the activations' shape first (15 such [64, 32, 256] copies, ~20 ms of a 320 ms
-train step in bench/cpu_vs_pytorch.py). On XLA:CPU (MATVEC_PLATFORMS) the two feature
+train step in bench/cpu_vs_pytorch.py). On XLA:CPU (CPU_FORM_PLATFORMS) the two feature
 reductions of the backward are therefore matrix-vector products with scale, and the broadcast
-stays inside elementwise fusions. Elsewhere they stay reductions: XLA:GPU feeds a product from
-a float32 [2N, d] operand that it writes and reads back, where its row reductions fuse with
-the rest of the backward (bench/gpu_compile.py, wmt14 bf16 on an H100: 1,420 -> 1,360 kernels
-and 72.2 -> 63.7 GB at their boundaries per step).
+stays inside elementwise fusions; the normalized activations are kept for the backward pass.
+
+Elsewhere the reductions stay reductions: XLA:GPU feeds a product from a float32 [2N, d]
+operand that it writes and reads back. And the backward pass keeps x with its statistics
+behind an optimization barrier: given the normalized activations XLA:GPU recomputes them
+from x, statistics included, and writes g * normalized in float32 for the scale's gradient.
+bench/gpu_compile.py, wmt14 bf16 on an H100, per step: 1,420 -> 1,360 kernels and 72.2 ->
+63.7 GB at their boundaries for the reductions; then 1,390 kernels and 60.8 GB (LayerNorm with
+the residual additions it absorbs: 11.4 -> 8.4 GB) for the kept statistics.
 """
 
 import functools
@@ -21,7 +26,7 @@ from flax import nnx
 
 from xformer import precision
 
-MATVEC_PLATFORMS = frozenset({"cpu"})  # backends whose backward uses the products
+CPU_FORM_PLATFORMS = frozenset({"cpu"})  # backends that get the form made for XLA:CPU
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -32,23 +37,31 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> 
 def _forward(x, scale, bias, eps):
     stats = precision.at_least_float32(x.dtype)
     x32 = x.astype(stats)
-    centred = x32 - x32.mean(-1, keepdims=True)
+    mean = x32.mean(-1, keepdims=True)
+    centred = x32 - mean
     rstd = jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + eps)
     normalized = centred * rstd
     y = (normalized * scale.astype(stats) + bias.astype(stats)).astype(x.dtype)
-    # kept in x's dtype: a bfloat16 model keeps half the bytes (its activations are bf16 anyway)
-    return y, (normalized.astype(x.dtype), rstd, scale)
+    if jax.default_backend() in CPU_FORM_PLATFORMS:
+        # kept in x's dtype: a bfloat16 model keeps half the bytes (its activations are bf16)
+        return y, (normalized.astype(x.dtype), None, rstd, scale)
+    # the statistics as they are: without the barrier XLA:GPU recomputes them in the backward
+    # pass, and the scale's column reduction cannot fuse with that row reduction
+    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
+    return y, (x, mean, rstd, scale)
 
 
 def _backward(eps, residuals, g):
-    normalized, rstd, scale = residuals
+    kept, mean, rstd, scale = residuals  # kept: normalized, or x with its mean
     x_dtype, g = g.dtype, g.astype(rstd.dtype)  # y and so g have x's dtype
-    normalized, scale32 = normalized.astype(rstd.dtype), scale.astype(rstd.dtype)
+    normalized = kept.astype(rstd.dtype)
+    normalized = normalized if mean is None else (normalized - mean) * rstd
+    scale32 = scale.astype(rstd.dtype)
     rows = tuple(range(g.ndim - 1))
     d_scale = (g * normalized).sum(rows).astype(scale.dtype)
     d_bias = g.sum(rows).astype(scale.dtype)
     # d/dx of normalized * scale, with u = g * scale: rstd * (u - mean(u) - n * mean(u * n))
-    if jax.default_backend() in MATVEC_PLATFORMS:  # both means as products with scale
+    if jax.default_backend() in CPU_FORM_PLATFORMS:  # both means as products with scale
         mean_u = (g @ scale32)[..., None] / g.shape[-1]
         mean_un = ((g * normalized) @ scale32)[..., None] / g.shape[-1]
     else:
