@@ -86,8 +86,7 @@ def compile_step(name: str, dtype: str, impl: str, overrides: dict, mesh) -> tup
     config, vocab = gt.load_config(name, False, dtype, impl, overrides)
     with tempfile.TemporaryDirectory() as workdir:
         task = gt.make_task(config, vocab, workdir)
-        make = gt.translation_batches if config.model.family == "encoder_decoder" else gt.lm_batches
-        host_batch = make(config, vocab, 1)[0]
+        host_batch = gt.synthetic_batches(config, vocab, 1)[0]
         carry = task.init_carry()  # on the CPU: only its shapes are used
         task.exp = exp = dataclasses.replace(task.exp, mesh=mesh)
         on = lambda where: lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)  # noqa: E731
@@ -172,11 +171,8 @@ def main() -> None:
                     - memory.alias_size_in_bytes
                     + memory.temp_size_in_bytes
                 )
-                costliest = not args.cheapest_branch
-                ops = op_profile.kernels(hlo, costliest=costliest)
-                floors = op_profile.floors(
-                    hlo, peak * 1e12, bandwidth, top=args.top, costliest=costliest
-                )
+                ops = op_profile.kernels(hlo, costliest=not args.cheapest_branch)
+                floors = op_profile.floors(ops, peak * 1e12, bandwidth, top=args.top)
                 flops = gt.analytic_flops(config, vocab)
                 analytic = flops["matmul"] + flops["attention"]
                 result = {

@@ -209,6 +209,13 @@ def lm_batches(config, vocab: int, num_batches: int, seed: int = 0) -> list[dict
 # FLOPs -------------------------------------------------------------------------------------
 
 
+def synthetic_batches(config, vocab: int, num_batches: int) -> list[dict]:
+    """The family's synthetic batches (translation_batches or lm_batches)."""
+    if config.model.family == "encoder_decoder":
+        return translation_batches(config, vocab, num_batches)
+    return lm_batches(config, vocab, num_batches)
+
+
 def analytic_flops(config, vocab: int) -> dict[str, float]:
     """Training FLOPs of one step: {"matmul": 6 x weight-matrix multiply-adds over the step's
     positions, "attention": 6 x the attention score and value multiply-adds}."""
@@ -375,8 +382,7 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
     )
     task = make_task(config, vocab, workdir)
     exp = task.exp
-    make = translation_batches if config.model.family == "encoder_decoder" else lm_batches
-    host_batches = make(config, vocab, spec["batches"])
+    host_batches = synthetic_batches(config, vocab, spec["batches"])
     if config.model.family == "encoder_decoder":  # real source + target tokens, as train.py
         tokens = [
             int((b["src_segments"] > 0).sum() + (b["tgt_segments"] > 0).sum()) for b in host_batches

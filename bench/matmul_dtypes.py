@@ -59,8 +59,7 @@ def lowered_step(name: str, dtype: str, impl: str) -> str:
     with tempfile.TemporaryDirectory() as workdir:
         task = gt.make_task(config, vocab, workdir)
         exp = task.exp
-        make = gt.translation_batches if config.model.family == "encoder_decoder" else gt.lm_batches
-        host_batch = make(config, vocab, 1)[0]
+        host_batch = gt.synthetic_batches(config, vocab, 1)[0]
         batch = jax.make_array_from_process_local_data(exp.batch_sharding, host_batch)
         state = jax.eval_shape(lambda: exp.init_state(task.init_carry()))
         rng_state = jax.device_put(exp.rng_state, exp.replicated)

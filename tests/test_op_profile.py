@@ -358,7 +358,8 @@ def test_kernels_and_floors_of_a_program():
     assert ops["gemm_fusion"].flops == 2 * 8 * 16 * 32
     assert ops["loop_fusion"].bytes == 2 * 8 * 16 * f32
 
-    summary = op_profile.floors(PROGRAM, flops_per_s=1e3, bytes_per_s=1e4, top=2)
+    ran = op_profile.kernels(PROGRAM)
+    summary = op_profile.floors(ran, flops_per_s=1e3, bytes_per_s=1e4, top=2)
     seconds = {
         "split_fusion": 2 * 768 * f32 / 1e4,
         "gemm_fusion": max(8192 / 1e3, 896 * f32 / 1e4),  # compute-bound
@@ -375,7 +376,7 @@ def test_kernels_and_floors_of_a_program():
     assert sum(c["kernels"] for c in summary["categories"]) == 7
     text = op_profile.format_floors(summary)
     assert text.startswith("7 kernels a step") and "| gemm_fusion | matmul | f32[8,16] |" in text
-    cheap = {op.name for op, _ in op_profile.kernels(PROGRAM, costliest=False)}
-    assert cheap == set(runs) - {"branch_fusion"}
-    cheap_floor = op_profile.floors(PROGRAM, 1e3, 1e4, costliest=False)["floor_ms"]
+    cheap = op_profile.kernels(PROGRAM, costliest=False)
+    assert {op.name for op, _ in cheap} == set(runs) - {"branch_fusion"}
+    cheap_floor = op_profile.floors(cheap, 1e3, 1e4)["floor_ms"]
     assert cheap_floor == pytest.approx(summary["floor_ms"] - 1e3 * seconds["branch_fusion"])

@@ -284,22 +284,21 @@ def kernels(
 
 
 def floors(
-    hlo: str,
+    ran: list[tuple[Op, float]],
     flops_per_s: float,
     bytes_per_s: float,
     *,
     categories: Iterable[Category] = CATEGORIES,
     top: int = 20,
-    costliest: bool = True,
 ) -> dict:
-    """A roofline of a compiled program without running it: each kernel's (`kernels`, with
-    `costliest`) floor is max(FLOPs / flops_per_s, bytes / bytes_per_s), summed per step,
-    by category and ranked. A floor, not a forecast: real kernels miss both peaks, launches
-    cost time, and a fused attention call's FLOPs are not counted (its floor is its bytes)."""
+    """A roofline of a compiled program without running it: each kernel of `ran` (`kernels`)
+    gets the floor max(FLOPs / flops_per_s, bytes / bytes_per_s), summed per step, by category
+    and ranked. A floor, not a forecast: real kernels miss both peaks, launches cost time, and
+    a fused attention call's FLOPs are not counted (its floor is its bytes)."""
     categories = tuple(categories)
     by_category = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     rows = []
-    for op, times in kernels(hlo, costliest=costliest):
+    for op, times in ran:
         floor = times * max(op.flops / flops_per_s, op.bytes / bytes_per_s)
         category = next(label for label, test in categories if test(op))
         for i, value in enumerate((times, times * op.bytes, times * op.flops, floor)):
