@@ -177,8 +177,8 @@ def check_nonfinite_step_is_skipped(family: str, workdir: str) -> None:
 
 
 def test_the_select_skips_a_step_like_the_cond(monkeypatch, tmp_path):
-    """The GPU's form of the skip (train_lib.SKIP_BY_SELECT: a select after the update) against
-    the CPU's (a cond around it): finite steps update alike (to float64 rounding: the two
+    """The GPU's form of the skip (a select after the update) against the CPU's (a cond around
+    it, train_lib.SKIP_BY_COND): finite steps update alike (to float64 rounding: the two
     programs fuse differently), and a non-finite step leaves the state exactly as it was."""
     from xformer import train_lib
 
@@ -190,8 +190,8 @@ def test_the_select_skips_a_step_like_the_cond(monkeypatch, tmp_path):
         nonfinite = task.batch(rng)
         nonfinite["weights"][1, 3] = np.nan
         after = {}
-        for form, platforms in (("cond", frozenset()), ("select", frozenset({"cpu"}))):
-            monkeypatch.setattr(train_lib, "SKIP_BY_SELECT", platforms)
+        for form, platforms in (("cond", frozenset({"cpu"})), ("select", frozenset())):
+            monkeypatch.setattr(train_lib, "SKIP_BY_COND", platforms)
             step = jax.jit(lambda s, b: train_step(task, s, task.exp.rng_state, b))
             state = start
             for batch in finite:

@@ -29,12 +29,14 @@ RUN_INFO_FILE = "run_info.json"  # written at the start of every train.py run
 DONE_FILE = "done.json"  # written when training reached num_steps or max_train_seconds
 PROFILE_DIR = "profile"  # train.profile_steps: jax.profiler traces under <workdir>/profile
 
-# Platforms whose train step skips a non-finite update with a select instead of a cond: the form
-# whose compiled wmt14 step copies least (bench/gpu_compile.py for XLA:GPU). XLA:CPU updates the
-# donated parameters and moments in place only under the cond (with the select: 939 copies,
-# 0.62 GB, against 552 and 0.13 GB); XLA:GPU copies the cond's outputs into the donated buffers
-# (582 copy kernels, 0.73 GB) and fuses the select into the update (no copies).
-SKIP_BY_SELECT = frozenset({"gpu"})
+# Platforms whose train step skips a non-finite update with a cond around it; the others keep
+# the old values with a select after it. Each is the form whose compiled wmt14 step copies
+# least (bench/gpu_compile.py for XLA:GPU). XLA:CPU updates the donated parameters and moments
+# in place only under the cond (with the select: 939 copies, 0.62 GB, against 552 and
+# 0.13 GB); XLA:GPU copies the cond's outputs into the donated buffers (582 copy kernels,
+# 0.73 GB) and fuses the select into the update (no copies). As in layer_norm, platforms
+# other than the CPU get the GPU's form.
+SKIP_BY_COND = frozenset({"cpu"})
 
 
 def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[dict, dict]:
@@ -116,11 +118,11 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
         return optax.apply_updates(params, updates), opt_state
 
     old = (state["params"], state["opt_state"])
-    if exp.mesh.devices.flat[0].platform in SKIP_BY_SELECT:
+    if exp.mesh.devices.flat[0].platform in SKIP_BY_COND:
+        params, opt_state = jax.lax.cond(finite, update, lambda unchanged: unchanged, old)
+    else:
         keep = functools.partial(jnp.where, finite)
         params, opt_state = jax.tree.map(keep, update(old), old)
-    else:
-        params, opt_state = jax.lax.cond(finite, update, lambda unchanged: unchanged, old)
     new_state = {
         "step": state["step"] + 1,
         "params": params,
