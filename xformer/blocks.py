@@ -7,6 +7,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from xformer import activations
 from xformer.attention import MultiHeadAttention
 from xformer.dropout import Dropout
 from xformer.layer_norm import LayerNorm
@@ -62,7 +63,7 @@ class FeedForward(nnx.Module):
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(self.dropout(jax.nn.relu(self.up(x))))
+        return self.down(self.dropout(activations.relu(self.up(x))))
 
 
 class Residual(nnx.Module):
