@@ -1,11 +1,21 @@
-"""cross_entropy (custom VJP) against independent numpy formulas: values, gradients, dtypes."""
+"""cross_entropy (custom VJP) against independent numpy formulas: values, gradients, dtypes;
+every test runs both forms of its row statistics (XLA:CPU's passes that keep exp(z), and the
+one-pass online reduction of the other backends)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from xformer import losses
 from xformer.losses import cross_entropy
+
+
+@pytest.fixture(autouse=True, params=["cpu", "other"])
+def form(request, monkeypatch):
+    platforms = {jax.default_backend()} if request.param == "cpu" else set()
+    monkeypatch.setattr(losses, "CPU_FORM_PLATFORMS", frozenset(platforms))
+    return request.param
 
 
 def numpy_reference(logits, targets, weights, smoothing):
@@ -106,3 +116,24 @@ def test_large_logits_are_stable():
     shifted = cross_entropy(jnp.asarray(logits + 1e4, jnp.float32), *args)
     assert np.all(np.isfinite(shifted))
     np.testing.assert_allclose(shifted, base, rtol=1e-3)
+
+
+def test_tied_maxima_and_minus_infinity_logits():
+    """Integer logits (many rows with a tied maximum, where the online reduction rescales by
+    exp(0)) and -inf entries (a banned token: probability 0, gradient 0)."""
+    rng = np.random.default_rng()
+    logits = rng.integers(-2, 3, (6, 40)).astype(np.float64)
+    targets = rng.integers(0, 40, 6)
+    banned = rng.random(logits.shape) < 0.2
+    banned[np.arange(6), targets] = False
+    logits[banned] = -np.inf
+    weights = rng.random(6) + 0.1
+    with np.errstate(divide="ignore", invalid="ignore"):  # log(0) in the (unused) KL term
+        _, nll, _, d_loss = numpy_reference(logits, targets, weights, 0.0)  # loss = nll here
+    with jax.enable_x64(True):
+        x, w, t = jnp.asarray(logits), jnp.asarray(weights), jnp.asarray(targets)
+        got = jax.jit(lambda x: cross_entropy(x, t, w))(x)
+        d = jax.jit(jax.grad(lambda x: cross_entropy(x, t, w)[0]))(x)
+    np.testing.assert_allclose(got, (nll, nll), rtol=1e-12)
+    np.testing.assert_allclose(d, d_loss, rtol=1e-10, atol=1e-14)
+    assert np.all(np.asarray(d)[banned] == 0.0)
