@@ -116,6 +116,14 @@ def _bytes(shape: str) -> int:
     return total
 
 
+def _written(opcode: str, shape: str) -> int:
+    """Bytes of an op's result. A custom call's scratch space (cuBLAS and cuDNN calls return
+    it as the last element of their tuple, s8[n] or u8[n]) is not data it must write."""
+    if opcode == "custom-call":
+        shape = re.sub(r",\s*[su]8\[\d*\]\)$", ")", shape)
+    return _bytes(shape)
+
+
 def _dims(shape: str) -> list[int]:
     """The dimensions of the first array of a shape."""
     dims = re.search(r"\[([\d,]*)\]", shape)
@@ -179,7 +187,7 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
             op_name=op_name[1] if op_name else "",
             bytes=0
             if kind == "control flow"
-            else _bytes(shape) + _read(opcode, line, body, shapes),
+            else _written(opcode, shape) + _read(opcode, line, body, shapes),
             flops=flops,
             computation=computation,
         )
