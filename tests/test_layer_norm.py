@@ -40,8 +40,7 @@ def random_layer(rng, d, dtype=jnp.float64) -> LayerNorm:
 def test_forward_and_gradients_match_references(shape, form, monkeypatch):
     """Both forms: XLA:CPU's (normalized kept, products with scale) and the others' (x and
     its statistics kept, row reductions)."""
-    platforms = {jax.default_backend()} if form == "cpu" else set()
-    monkeypatch.setattr(layer_norm, "CPU_FORM_PLATFORMS", frozenset(platforms))
+    use_form(monkeypatch, form)
     rng = np.random.default_rng()
     with jax.enable_x64(True):
         layer = random_layer(rng, shape[-1])
@@ -78,7 +77,14 @@ def test_matches_nnx_layer_norm_in_float32():
     assert jax.tree.structure(nnx.state(ours)) == jax.tree.structure(nnx.state(theirs))
 
 
-def test_bfloat16_inputs_keep_their_dtype_with_float32_statistics():
+def use_form(monkeypatch, form: str) -> None:
+    platforms = {jax.default_backend()} if form == "cpu" else set()
+    monkeypatch.setattr(layer_norm, "CPU_FORM_PLATFORMS", frozenset(platforms))
+
+
+@pytest.mark.parametrize("form", ["cpu", "other"])
+def test_bfloat16_inputs_keep_their_dtype_with_float32_statistics(form, monkeypatch):
+    use_form(monkeypatch, form)
     rng = np.random.default_rng()
     x32 = rng.normal(5.0, 0.01, (6, 64))  # large mean, small spread: bf16 statistics would fail
     layer = random_layer(rng, 64, jnp.bfloat16)
@@ -94,3 +100,22 @@ def test_bfloat16_inputs_keep_their_dtype_with_float32_statistics():
     np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2)
     dx = jax.grad(lambda x: layer(x).astype(jnp.float32).sum())(x)
     assert dx.dtype == jnp.bfloat16 and bool(jnp.isfinite(dx.astype(jnp.float32)).all())
+
+
+def test_one_pass_variance_of_bfloat16_rows_is_within_an_ulp_of_two_passes(monkeypatch):
+    """Off CPU, 16-bit inputs get the variance as E[x^2] - E[x]^2: on bfloat16 rows whose mean
+    lies up to 100 standard deviations from 0, the output is the two-pass form's to one
+    bfloat16 ulp of max(|y|, 1) (float32 and float64 inputs keep the two-pass form)."""
+    rng = np.random.default_rng()
+    rows = 64
+    spread = rng.uniform(0.1, 10.0, (rows, 1))
+    offset = rng.uniform(-100.0, 100.0, (rows, 1)) * spread
+    x = jnp.asarray(rng.normal(size=(rows, 256)) * spread + offset, jnp.bfloat16)
+    layer = random_layer(rng, 256, jnp.bfloat16)
+    outputs = {}
+    for form in ("cpu", "other"):
+        use_form(monkeypatch, form)
+        outputs[form] = np.asarray(jax.jit(lambda v: layer(v))(x), np.float64)
+    gap = np.abs(outputs["cpu"] - outputs["other"])
+    ulp = 2.0**-7 * np.maximum(np.abs(outputs["cpu"]), 1.0)  # bfloat16 keeps 8 bits
+    assert np.all(gap <= ulp) and (gap > 0).mean() < 0.05, (gap.max(), (gap > 0).mean())
