@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models, real Multi30k data, and a prepared TFDS directory.
+"""Shared fixtures: tiny models, real Multi30k data, a prepared TFDS directory, and the
+per-backend program forms.
 
 Before any test imports jax, pytest_configure sets two things for this process and every
 subprocess it starts (train.py, eval.py, xdist workers), through the environment:
@@ -78,3 +79,16 @@ def multi30k_dir() -> Path:
 def tfds_dir(tmp_path_factory, multi30k_dir) -> str:
     """One prepared Multi30k array_record copy shared by every test of the session."""
     return os.fspath(tmp_path_factory.mktemp("tfds"))
+
+
+@pytest.fixture
+def use_form(monkeypatch):
+    """use_form(module, form): a module with a CPU_FORM_PLATFORMS switch computes its XLA:CPU
+    form ("cpu") or the other backends' ("other") on this machine, for this test."""
+    import jax  # not at import time: pytest_configure sets XLA's flags first
+
+    def use(module, form: str) -> None:
+        platforms = {jax.default_backend()} if form == "cpu" else set()
+        monkeypatch.setattr(module, "CPU_FORM_PLATFORMS", frozenset(platforms))
+
+    return use

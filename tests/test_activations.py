@@ -12,15 +12,10 @@ from xformer import activations
 from xformer.blocks import FeedForward
 
 
-def use_form(monkeypatch, form: str) -> None:
-    platforms = {jax.default_backend()} if form == "cpu" else set()
-    monkeypatch.setattr(activations, "CPU_FORM_PLATFORMS", frozenset(platforms))
-
-
 @pytest.mark.parametrize("form", ["cpu", "other"])
 @pytest.mark.parametrize("shape", [(3, 5, 16), (7, 12)])
-def test_value_and_gradient_match_numpy(shape, form, monkeypatch):
-    use_form(monkeypatch, form)
+def test_value_and_gradient_match_numpy(shape, form, use_form):
+    use_form(activations, form)
     rng = np.random.default_rng()
     x = rng.normal(size=shape)
     x.flat[rng.choice(x.size, 5, replace=False)] = 0.0  # the gradient at 0 is 0
@@ -32,10 +27,10 @@ def test_value_and_gradient_match_numpy(shape, form, monkeypatch):
     np.testing.assert_array_equal(dx, np.where(x > 0, g, 0.0))
 
 
-def test_the_output_masked_form_applies_only_to_multiples_of_8(monkeypatch):
+def test_the_output_masked_form_applies_only_to_multiples_of_8(use_form):
     """Off CPU, widths XLA:GPU pads (not a multiple of 8) keep autodiff's ReLU; the others get
     the custom VJP (its barrier is in the gradient's jaxpr)."""
-    use_form(monkeypatch, "other")
+    use_form(activations, "other")
     for width, custom in ((16, True), (12, False)):
         jaxpr = str(
             jax.make_jaxpr(jax.grad(lambda x: activations.relu(x).sum()))(jnp.ones((2, width)))
@@ -43,7 +38,7 @@ def test_the_output_masked_form_applies_only_to_multiples_of_8(monkeypatch):
         assert ("optimization_barrier" in jaxpr) == custom, (width, jaxpr)
 
 
-def test_feed_forward_gradients_equal_under_both_forms(monkeypatch):
+def test_feed_forward_gradients_equal_under_both_forms(use_form):
     """One FFN, fresh random input and cotangent: the two forms give identical outputs and
     parameter and input gradients (the masks are the same bits)."""
     rng = np.random.default_rng()
@@ -57,7 +52,7 @@ def test_feed_forward_gradients_equal_under_both_forms(monkeypatch):
 
     results = {}
     for form in ("cpu", "other"):
-        use_form(monkeypatch, form)
+        use_form(activations, form)
         results[form] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
     cpu, other = jax.tree.leaves(results["cpu"]), jax.tree.leaves(results["other"])
     for a, b in zip(cpu, other, strict=True):

@@ -37,10 +37,10 @@ def random_layer(rng, d, dtype=jnp.float64) -> LayerNorm:
 
 @pytest.mark.parametrize("form", ["cpu", "other"])
 @pytest.mark.parametrize("shape", [(3, 5, 16), (7, 32)])
-def test_forward_and_gradients_match_references(shape, form, monkeypatch):
+def test_forward_and_gradients_match_references(shape, form, use_form):
     """Both forms: XLA:CPU's (normalized kept, products with scale) and the others' (x and
     its statistics kept, row reductions)."""
-    use_form(monkeypatch, form)
+    use_form(layer_norm, form)
     rng = np.random.default_rng()
     with jax.enable_x64(True):
         layer = random_layer(rng, shape[-1])
@@ -77,14 +77,9 @@ def test_matches_nnx_layer_norm_in_float32():
     assert jax.tree.structure(nnx.state(ours)) == jax.tree.structure(nnx.state(theirs))
 
 
-def use_form(monkeypatch, form: str) -> None:
-    platforms = {jax.default_backend()} if form == "cpu" else set()
-    monkeypatch.setattr(layer_norm, "CPU_FORM_PLATFORMS", frozenset(platforms))
-
-
 @pytest.mark.parametrize("form", ["cpu", "other"])
-def test_bfloat16_inputs_keep_their_dtype_with_float32_statistics(form, monkeypatch):
-    use_form(monkeypatch, form)
+def test_bfloat16_inputs_keep_their_dtype_with_float32_statistics(form, use_form):
+    use_form(layer_norm, form)
     rng = np.random.default_rng()
     x32 = rng.normal(5.0, 0.01, (6, 64))  # large mean, small spread: bf16 statistics would fail
     layer = random_layer(rng, 64, jnp.bfloat16)
@@ -102,7 +97,7 @@ def test_bfloat16_inputs_keep_their_dtype_with_float32_statistics(form, monkeypa
     assert dx.dtype == jnp.bfloat16 and bool(jnp.isfinite(dx.astype(jnp.float32)).all())
 
 
-def test_one_pass_variance_of_bfloat16_rows_is_within_an_ulp_of_two_passes(monkeypatch):
+def test_one_pass_variance_of_bfloat16_rows_is_within_an_ulp_of_two_passes(use_form):
     """Off CPU, 16-bit inputs get the variance as E[x^2] - E[x]^2: on bfloat16 rows whose mean
     lies up to 100 standard deviations from 0, the output is the two-pass form's to one
     bfloat16 ulp of max(|y|, 1) (float32 and float64 inputs keep the two-pass form)."""
@@ -114,7 +109,7 @@ def test_one_pass_variance_of_bfloat16_rows_is_within_an_ulp_of_two_passes(monke
     layer = random_layer(rng, 256, jnp.bfloat16)
     outputs = {}
     for form in ("cpu", "other"):
-        use_form(monkeypatch, form)
+        use_form(layer_norm, form)
         outputs[form] = np.asarray(jax.jit(lambda v: layer(v))(x), np.float64)
     gap = np.abs(outputs["cpu"] - outputs["other"])
     ulp = 2.0**-7 * np.maximum(np.abs(outputs["cpu"]), 1.0)  # bfloat16 keeps 8 bits

@@ -12,9 +12,8 @@ from xformer.losses import cross_entropy
 
 
 @pytest.fixture(autouse=True, params=["cpu", "other"])
-def form(request, monkeypatch):
-    platforms = {jax.default_backend()} if request.param == "cpu" else set()
-    monkeypatch.setattr(losses, "CPU_FORM_PLATFORMS", frozenset(platforms))
+def form(request, use_form):
+    use_form(losses, request.param)
     return request.param
 
 
