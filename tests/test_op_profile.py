@@ -381,3 +381,48 @@ def test_kernels_and_floors_of_a_program():
     assert {op.name for op, _ in cheap} == set(runs) - {"branch_fusion"}
     cheap_floor = op_profile.floors(cheap, 1e3, 1e4)["floor_ms"]
     assert cheap_floor == pytest.approx(summary["floor_ms"] - 1e3 * seconds["branch_fusion"])
+
+
+SCATTERS = """HloModule jit_train_step
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%fused_into_parameter (param_0: f32[8,1000], param_1: s32[8,2], param_2: f32[8]) -> f32[8,1000] {
+  %param_0 = f32[8,1000]{1,0} parameter(0)
+  %param_1 = s32[8,2]{1,0} parameter(1)
+  %param_2 = f32[8]{0} parameter(2)
+  ROOT %scatter.1 = f32[8,1000]{1,0} scatter(%param_0, %param_1, %param_2), update_window_dims={}, inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0,1}, index_vector_dim=1, to_apply=%add
+}
+
+%fused_into_zeros (param_0.1: s32[8,2], param_1.1: f32[8]) -> f32[8,1000] {
+  %param_0.1 = s32[8,2]{1,0} parameter(0)
+  %param_1.1 = f32[8]{0} parameter(1)
+  %zero = f32[] constant(0)
+  %zeros = f32[8,1000]{1,0} broadcast(%zero), dimensions={}
+  ROOT %scatter.2 = f32[8,1000]{1,0} scatter(%zeros, %param_0.1, %param_1.1), update_window_dims={}, inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0,1}, index_vector_dim=1, to_apply=%add
+}
+
+ENTRY %main (x: f32[8,1000], i: s32[8,2], u: f32[8]) -> f32[8,1000] {
+  %x = f32[8,1000]{1,0} parameter(0)
+  %i = s32[8,2]{1,0} parameter(1)
+  %u = f32[8]{0} parameter(2)
+  %in_place = f32[8,1000]{1,0} fusion(%x, %i, %u), kind=kInput, calls=%fused_into_parameter
+  %from_zeros = f32[8,1000]{1,0} fusion(%i, %u), kind=kInput, calls=%fused_into_zeros
+  ROOT %plain = f32[8,1000]{1,0} scatter(%in_place, %i, %u), update_window_dims={}, inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0,1}, index_vector_dim=1, to_apply=%add
+}
+"""  # noqa: E501 (HLO lines as XLA writes them)
+
+
+def test_a_scatter_into_an_operand_moves_only_the_updated_elements():
+    """A scatter (fused or not) into an operand updates that buffer in place: its bytes are
+    the indices and updates read plus the updated elements read and written, not the
+    [8, 1000] array; a fused scatter into zeros it makes itself writes the whole array."""
+    ops = op_profile.parse_hlo(SCATTERS)
+    indices, updates, array = 8 * 2 * 4, 8 * 4, 8 * 1000 * 4
+    assert ops["in_place"].bytes == indices + updates + 2 * updates
+    assert ops["plain"].bytes == indices + updates + 2 * updates
+    assert ops["from_zeros"].bytes == indices + updates + array

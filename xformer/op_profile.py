@@ -185,9 +185,7 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
             shapes=" ".join([shape, *(s for _, _, s, _ in body)]),
             source=frames.get(int(frame[1]), "") if frame else "",
             op_name=op_name[1] if op_name else "",
-            bytes=0
-            if kind == "control flow"
-            else _written(opcode, shape) + _read(opcode, line, body, shapes),
+            bytes=0 if kind == "control flow" else _moved(opcode, shape, line, body, shapes),
             flops=flops,
             computation=computation,
         )
@@ -198,9 +196,37 @@ SLICES = ("slice", "dynamic-slice", "gather")
 VIEWS = ("bitcast", "reshape", "convert")  # element for element: slicing one reads as little
 
 
-def _read(opcode: str, line: str, body: list[tuple], shapes: dict[str, str]) -> int:
-    """Bytes of an op's operands; of a fused parameter that the fusion only slices or gathers
-    from (also through VIEWS), the slices' (q, k and v cut from one projection: a third each)."""
+def _moved(opcode: str, shape: str, line: str, body: list[tuple], shapes: dict[str, str]) -> int:
+    """Bytes an op reads and writes. A scatter into an operand (a fused scatter's, into one of
+    the fusion's parameters) updates that buffer in place: it reads and writes the elements
+    it updates, not the whole array (XLA:GPU gives the result the operand's buffer)."""
+    fused = opcode == "fusion"
+    root = next((b for b in body if fused and b[3].lstrip().startswith("ROOT ")), None)
+    scatter = (root[1], root[3]) if root else (opcode, line)
+    if scatter[0] == "scatter":
+        target, _, updates = _operands("scatter", scatter[1])[:3]
+        params = {
+            name: int(re.search(r"parameter\((\d+)\)", text)[1])
+            for name, op, _, text in body
+            if op == "parameter"
+        }
+        aliased = params.get(target) if fused else 0
+        if aliased is not None:
+            touched = 2 * _bytes(shapes.get(updates, ""))
+            return touched + _read(opcode, line, body, shapes, skip=frozenset({aliased}))
+    return _written(opcode, shape) + _read(opcode, line, body, shapes)
+
+
+def _read(
+    opcode: str,
+    line: str,
+    body: list[tuple],
+    shapes: dict[str, str],
+    skip: frozenset[int] = frozenset(),
+) -> int:
+    """Bytes of an op's operands (but those numbered in skip); of a fused parameter that the
+    fusion only slices or gathers from (also through VIEWS), the slices' (q, k and v cut from
+    one projection: a third each)."""
     users = collections.defaultdict(list)  # name -> [(opcode, shape, name)] in the fused body
     params = {}
     for name, op, shape, text in body:
@@ -221,6 +247,8 @@ def _read(opcode: str, line: str, body: list[tuple], shapes: dict[str, str]) -> 
 
     total = 0
     for i, operand in enumerate(_operands(opcode, line)):
+        if i in skip:
+            continue
         part = sliced(params[i]) if i in params else None
         total += _bytes(shapes.get(operand, "")) if part is None else part
     return total
