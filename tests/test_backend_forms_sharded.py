@@ -1,8 +1,10 @@
 """The other backends' program forms (the loss's online reduction, LayerNorm's statistics, the
 FFN's output-masked ReLU; see `use_form`) on a data x tensor mesh of 4 simulated CPU devices,
 with the vocabulary, the FFN's hidden features and the model features split over the tensor
-axis: values and gradients equal the unsplit XLA:CPU form's in float64, and the loss's
-sharded reduction gathers per-row partial statistics, never the logits."""
+axis: values and gradients equal the unsplit XLA:CPU form's in float64 (a bfloat16
+LayerNorm, whose one-pass variance differs from the two-pass form by design, equals its own
+unsplit run), and the loss's split reduction gathers per-row partial statistics, never the
+logits."""
 
 import json
 import os
