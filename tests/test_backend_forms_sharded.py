@@ -7,28 +7,16 @@ unsplit run), and the loss's split reduction gathers per-row partial statistics,
 logits."""
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
+from simulated_devices import run_script
 
 
 def test_other_backends_forms_split_over_a_mesh_equal_the_cpu_form(tmp_path):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-    result = subprocess.run(
-        [sys.executable, __file__, str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(__file__, 4, str(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["gaps"]) == {"loss", "ffn", "layer_norm"}
     for name, gap in report["gaps"].items():

@@ -10,16 +10,15 @@ Running this file as a script repeats the comparison on 4 simulated devices.
 import dataclasses
 import functools
 import os
-import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
+from simulated_devices import run_script
 
 from xformer import config as config_lib
 from xformer import experiment as experiment_lib
@@ -31,7 +30,6 @@ from xformer.tasks.language_modeling import LanguageModelingTask
 from xformer.tasks.translation import TranslationTask
 from xformer.train_lib import join_rows, split_rows, train_step
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB, ROWS, LENGTH, MEM_LEN, STEPS = 29, 8, 8, 6, 3
 # float64: summation order is the only difference. atol: Adam moves a parameter by lr * g /
 # (|g| + eps), so one whose gradient is 0 up to rounding (the key bias) moves by noise ~1e-10.
@@ -250,17 +248,7 @@ def test_split_and_join_rows_are_inverse():
 def test_accumulated_step_equals_one_big_batch_on_four_devices(tmp_path):
     """The comparison with k = 2 on 4 simulated devices, in a subprocess: batch and memory
     sharded over their rows as in the train loop, each micro-batch's 4 rows one per device."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-    result = subprocess.run(
-        [sys.executable, __file__, str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "4 devices: equal" in result.stdout
+    assert "4 devices: equal" in run_script(__file__, 4, str(tmp_path))
 
 
 @pytest.mark.parametrize("family", ["translation", "lm"])
