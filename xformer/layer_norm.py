@@ -43,17 +43,18 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> 
 
 def _forward(x, scale, bias, eps):
     stats = precision.at_least_float32(x.dtype)
+    cpu_form = jax.default_backend() in CPU_FORM_PLATFORMS
     x32 = x.astype(stats)
     mean = x32.mean(-1, keepdims=True)
     centred = x32 - mean
-    if jax.default_backend() in CPU_FORM_PLATFORMS or jnp.dtype(x.dtype).itemsize >= 4:
+    if cpu_form or jnp.dtype(x.dtype).itemsize >= 4:
         var = (centred * centred).mean(-1, keepdims=True)
     else:  # one pass over x: E[x^2] - E[x]^2, clipped at 0 (nnx.LayerNorm's default formula)
         var = jnp.maximum((x32 * x32).mean(-1, keepdims=True) - mean * mean, 0.0)
     rstd = jax.lax.rsqrt(var + eps)
     normalized = centred * rstd
     y = (normalized * scale.astype(stats) + bias.astype(stats)).astype(x.dtype)
-    if jax.default_backend() in CPU_FORM_PLATFORMS:
+    if cpu_form:
         # kept in x's dtype: a bfloat16 model keeps half the bytes (its activations are bf16)
         return y, (normalized.astype(x.dtype), None, rstd, scale)
     # the statistics as they are: without the barrier XLA:GPU recomputes them in the backward

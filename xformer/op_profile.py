@@ -196,6 +196,15 @@ SLICES = ("slice", "dynamic-slice", "gather")
 VIEWS = ("bitcast", "reshape", "convert")  # element for element: slicing one reads as little
 
 
+def _parameters(body: list[tuple]) -> dict[str, int]:
+    """A fused computation's parameters: name -> parameter number (= the fusion's operand)."""
+    return {
+        name: int(re.search(r"parameter\((\d+)\)", text)[1])
+        for name, op, _, text in body
+        if op == "parameter"
+    }
+
+
 def _moved(opcode: str, shape: str, line: str, body: list[tuple], shapes: dict[str, str]) -> int:
     """Bytes an op reads and writes. A scatter into an operand (a fused scatter's, into one of
     the fusion's parameters) updates that buffer in place: it reads and writes the elements
@@ -205,12 +214,7 @@ def _moved(opcode: str, shape: str, line: str, body: list[tuple], shapes: dict[s
     scatter = (root[1], root[3]) if root else (opcode, line)
     if scatter[0] == "scatter":
         target, _, updates = _operands("scatter", scatter[1])[:3]
-        params = {
-            name: int(re.search(r"parameter\((\d+)\)", text)[1])
-            for name, op, _, text in body
-            if op == "parameter"
-        }
-        aliased = params.get(target) if fused else 0
+        aliased = _parameters(body).get(target) if fused else 0
         if aliased is not None:
             touched = 2 * _bytes(shapes.get(updates, ""))
             return touched + _read(opcode, line, body, shapes, skip=frozenset({aliased}))
@@ -228,10 +232,8 @@ def _read(
     fusion only slices or gathers from (also through VIEWS), the slices' (q, k and v cut from
     one projection: a third each)."""
     users = collections.defaultdict(list)  # name -> [(opcode, shape, name)] in the fused body
-    params = {}
+    params = {number: name for name, number in _parameters(body).items()}
     for name, op, shape, text in body:
-        if op == "parameter":
-            params[int(re.search(r"parameter\((\d+)\)", text)[1])] = name
         for operand in _operands(op, text):
             users[operand].append((op, shape, name))
 
