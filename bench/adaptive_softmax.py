@@ -10,9 +10,9 @@ setting (d_model, d_embed, div_val) it times one forward + backward pass of the 
 - full: a plain softmax, logits = h @ W^T + b with W [V, d_model] (no clusters);
 - adaptive: xformer.adaptive.AdaptiveLogSoftmax with capacity 0 (every tail cluster scored for
   every position);
-- capacity c: the same module with capacity c (each tail cluster scores ceil(c * N) gathered
-  rows; a cluster with more targets than that is scored densely, ceil(c * N) rows at a time;
-  the table names such clusters).
+- capacity c: the same module with capacity c (each tail cluster scores C = ceil(c * N)
+  gathered rows, in a block rounded up to a multiple of 8; a cluster with more than C targets
+  is scored densely, one such block of rows at a time; the table names such clusters).
 
 Each step is jitted and compiled ahead; one warm-up call each, then `--repeats` rounds in which
 every variant of a setting runs once in turn (background load hits them alike), timed up to
