@@ -165,12 +165,7 @@ def main() -> None:
                     with open(os.path.join(args.hlo_dir, f"{name}_{dtype}_{impl}.hlo"), "w") as f:
                         f.write(hlo)
                 memory = compiled.memory_analysis()
-                step_bytes = (
-                    memory.argument_size_in_bytes
-                    + memory.output_size_in_bytes
-                    - memory.alias_size_in_bytes
-                    + memory.temp_size_in_bytes
-                )
+                step_bytes = gt.compiled_step_bytes(compiled)
                 ops = op_profile.kernels(hlo, costliest=not args.cheapest_branch)
                 floors = op_profile.floors(ops, peak * 1e12, bandwidth, top=args.top)
                 flops = gt.analytic_flops(config, vocab)

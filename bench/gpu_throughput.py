@@ -216,6 +216,20 @@ def synthetic_batches(config, vocab: int, num_batches: int) -> list[dict]:
     return lm_batches(config, vocab, num_batches)
 
 
+def compiled_step_bytes(compiled) -> int | None:
+    """XLA's memory analysis of a compiled step: arguments + outputs - donated (aliased) +
+    temporaries, the step's peak; None where the backend gives no analysis."""
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return None
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+
+
 def analytic_flops(config, vocab: int) -> dict[str, float]:
     """Training FLOPs of one step: {"matmul": 6 x weight-matrix multiply-adds over the step's
     positions, "attention": 6 x the attention score and value multiply-adds}."""
@@ -401,15 +415,7 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
     compile_s = time.perf_counter() - start
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
-    memory = compiled.memory_analysis()
-    step_bytes = None
-    if memory is not None:
-        step_bytes = (
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes
-        )
+    step_bytes = compiled_step_bytes(compiled)
     hlo = compiled.as_text() or ""
 
     count = 0
