@@ -29,7 +29,7 @@ attention calls; XLA's memory analysis (arguments + outputs - donated + temporar
 step's peak, as bench/gpu_throughput.py reports it); and `op_profile.floors`: each kernel's
 floor max(FLOPs / peak, bytes / bandwidth) summed by category, with the top kernels. The
 bytes are each kernel's operands and results (what it must read and write at least, L2 hits
-aside), the peak the device's dense bf16 rate (gpu_throughput.PEAK_TFLOPS) and the bandwidth
+aside), the peak the device's dense bf16 rate (xformer/flops.py's PEAK_TFLOPS) and the bandwidth
 the target's. The floor bounds MFU from above: analytic FLOPs / floor / peak.
 """
 
@@ -168,8 +168,7 @@ def main() -> None:
                 step_bytes = gt.compiled_step_bytes(compiled)
                 ops = op_profile.kernels(hlo, costliest=not args.cheapest_branch)
                 floors = op_profile.floors(ops, peak * 1e12, bandwidth, top=args.top)
-                flops = gt.analytic_flops(config, vocab)
-                analytic = flops["matmul"] + flops["attention"]
+                analytic = gt.model_flops(config, vocab).total
                 result = {
                     "model": name,
                     "dtype": dtype,

@@ -33,15 +33,16 @@ the windows are reported. `--batches` distinct batches, already on the device, a
 - FLOPs per step, two sources side by side: XLA's cost analysis of the compiled step (every op,
   elementwise and optimizer included; on GPU, library calls such as cuDNN attention may be
   counted partly or not at all; a lax.cond counts as its costlier branch, e.g. the dense
-  fallback of `model.adaptive_capacity`), and the analytic count 6*N*T + attention: N*T the
-  multiply-adds of the weight matrices over the positions of the step (padding included:
-  the step computes them; memory positions included for XL's key/value projections), the
-  attention term 6 * 2 * Lq * Lk * d per row and layer (3 * Lq * Lk * d with XL's relative
-  position term; masked and causal halves included, as a dense kernel computes them).
+  fallback of `model.adaptive_capacity`), and the model FLOPs that train.py's MFU counts
+  (xformer/flops.py): 6 x the multiply-adds of the weight matrices over the positions of the
+  step (padding included: the step computes them; memory positions included for XL's
+  key/value projections; 4 x for XL's projection of the relative encodings), plus the
+  attention term 6 * 2 * Lq * Lk * d per row and layer (3 * Lq * W * d more with relative
+  positions, W distances; masked and causal halves included, as a dense kernel computes them).
   Embedding lookups, LayerNorm, softmax and the optimizer are left out.
-- MFU = analytic FLOPs per step / median step time / the device's dense bf16 peak (table
-  PEAK_TFLOPS by `device_kind`, e.g. 989 TFLOP/s for H100 SXM and H200; `--peak-tflops`
-  overrides; n/a on CPU without it). MFU (XLA) uses XLA's count instead.
+- MFU = model FLOPs per step / median step time / the device's dense bf16 peak (PEAK_TFLOPS
+  of xformer/flops.py by `device_kind`, e.g. 989 TFLOP/s for H100 SXM and H200;
+  `--peak-tflops` overrides; n/a on CPU without it). MFU (XLA) uses XLA's count instead.
 - memory: `memory_stats()["peak_bytes_in_use"]` of the device (GPU; n/a on CPU), and XLA's
   memory analysis of the compiled step (arguments + outputs - donated aliases + temporaries).
 - fused: how many cuDNN attention calls the compiled step holds (`__cudnn$fmha` custom calls)
@@ -150,14 +151,6 @@ TINY = {  # --quick: name -> (config overrides, vocabulary size)
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="  # --profile: one op per kernel
 DTYPES = ("bfloat16", "float32")
 IMPLS = ("fused", "xla")
-PEAK_TFLOPS = (  # dense bf16 TFLOP/s by a substring of device_kind, first match wins
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3"); 1,979 is with 2:4 sparsity
-    ("H200", 989.0),  # the H100's compute with more and faster memory
-    ("A100", 312.0),
-)
-
 
 # Synthetic data ----------------------------------------------------------------------------
 
@@ -230,52 +223,15 @@ def compiled_step_bytes(compiled) -> int | None:
     )
 
 
-def analytic_flops(config, vocab: int) -> dict[str, float]:
-    """Training FLOPs of one step: {"matmul": 6 x weight-matrix multiply-adds over the step's
-    positions, "attention": 6 x the attention score and value multiply-adds}."""
-    m, rows = config.model, config.train.batch_size
-    d, f = m.d_model, m.d_ff
-    if m.family == "encoder_decoder":
-        length = config.data.max_train_length
-        pos = rows * length  # source positions = target positions
-        enc = m.num_encoder_layers * pos * (4 * d * d + 2 * d * f)
-        # self-attention q/k/v/o, cross-attention q/o over targets and k/v over the source, FFN
-        dec = m.num_decoder_layers * (pos * (6 * d * d + 2 * d * f) + pos * 2 * d * d)
-        out = pos * d * vocab
-        attn = rows * 2 * length * length * d * (m.num_encoder_layers + 2 * m.num_decoder_layers)
-        return {"matmul": 6.0 * (enc + dec + out), "attention": 6.0 * attn}
-    length, layers = config.data.segment_length, m.num_decoder_layers
-    pos, k_len = rows * length, length + m.mem_len
-    # q and output projections and the FFN over the segment; k/v over [memory ; segment]
-    layer = pos * (2 * d * d + 2 * d * f) + rows * k_len * 2 * d * d
-    attn = rows * 2 * length * k_len * d
-    if m.positional == "relative":  # (causal mask: one R row per key distance)
-        layer += k_len * d * d  # R W_kR, once per layer
-        attn += rows * length * k_len * d  # (q + v) . R for every (query, distance)
-    return {
-        "matmul": 6.0 * (layers * layer + adaptive_macs(m, pos, vocab)),
-        "attention": 6.0 * layers * attn,
-    }
+def model_flops(config, vocab: int):
+    """flops.StepFlops of a validated config's train step with this vocabulary (both sides)."""
+    from xformer import flops, model_config
 
-
-def adaptive_macs(m, positions: int, vocab: int) -> float:
-    """Multiply-adds of the adaptive (or plain) input projections and output softmax: the head
-    over every position, each tail cluster over every position (dense) or over
-    ceil(adaptive_capacity x positions) gathered rows."""
-    d_embed = m.d_embed or m.d_model
-    edges = (0, *m.adaptive_cutoffs, vocab)
-    tails = len(edges) - 2
-    macs = 0.0
-    for i, (start, end) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
-        dim = d_embed // m.div_val**i
-        proj = dim * m.d_model if dim != m.d_model else 0
-        if i == 0 or m.div_val > 1:  # the input side projects every table's lookup
-            macs += positions * proj
-        rows = positions
-        if i and m.adaptive_capacity:
-            rows = min(positions, math.ceil(m.adaptive_capacity * positions))
-        macs += rows * (proj + dim * (end - start + (tails if i == 0 else 0)))
-    return macs
+    sizes = {"vocab_size": vocab}
+    if config.model.family == "encoder_decoder":
+        sizes = {"src_vocab_size": vocab, "tgt_vocab_size": vocab}
+    cfg = model_config.from_config(config.model, **sizes)
+    return flops.train_step_flops(cfg, config.train.batch_size, flops.row_length(config))
 
 
 # One setting -------------------------------------------------------------------------------
@@ -342,12 +298,15 @@ class _Collect(logging.Handler):
 
 
 def peak_tflops(device_kind: str, override: float) -> tuple[float | None, str]:
+    """(dense bf16 TFLOP/s of one device, where the figure comes from)."""
+    from xformer import flops
+
     if override:
         return override, "--peak-tflops"
-    for key, value in PEAK_TFLOPS:
-        if key in device_kind:
-            return value, f"dense bf16 peak of {key} (datasheet)"
-    return None, f"unknown for {device_kind!r}: pass --peak-tflops"
+    peak = flops.peak_tflops(device_kind)
+    if peak is None:
+        return None, f"unknown for {device_kind!r}: pass --peak-tflops"
+    return peak, f"dense bf16 peak of {device_kind} (datasheet, xformer/flops.py)"
 
 
 def run_setting(spec: dict) -> dict:
@@ -441,7 +400,7 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
     if spec.get("profile"):
         profile = profile_steps(spec, compiled, hlo, (state, rng_state), batches, count, jax)
 
-    flops = analytic_flops(config, vocab)
+    flops = model_flops(config, vocab)
     first = host_batches[0]["src" if "src" in host_batches[0] else "inputs"]
     return {
         "config_file": MODELS[spec["model"]][0],
@@ -458,9 +417,9 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
         "step_s_all": step_times,
         "tokens_per_s": statistics.median(rates),
         "flops_xla": float(cost.get("flops", 0.0)) or None,
-        "flops_analytic": flops["matmul"] + flops["attention"],
-        "flops_analytic_matmul": flops["matmul"],
-        "flops_analytic_attention": flops["attention"],
+        "flops_analytic": flops.total,
+        "flops_analytic_matmul": flops.matmul,
+        "flops_analytic_attention": flops.attention,
         "step_bytes_xla": step_bytes,
         "cudnn_attention_calls": hlo.count("__cudnn$fmha"),
         "loss": loss,

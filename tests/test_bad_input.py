@@ -73,6 +73,7 @@ def test_d_model_not_divisible_by_heads(tmp_path):
         ("model.d_model", "big", "must be int"),
         ("model.num_heads", 0, "model.num_heads must be positive, got 0"),
         ("train.grad_accum_steps", 0, r"train.grad_accum_steps=0 must be an integer >= 1"),
+        ("train.peak_tflops", -1.0, r"train.peak_tflops must be >= 0 \(0 = by device kind\)"),
         (
             "train.grad_accum_steps",
             3,

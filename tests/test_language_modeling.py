@@ -176,13 +176,18 @@ def train_cmd(workdir, tfds_dir, *extra):
     ]
 
 
-def losses(workdir) -> dict[int, float]:
+def train_metrics(workdir) -> dict[int, dict]:
+    """{step: that step's train/ metrics} from metrics.jsonl."""
     rows = [
         json.loads(line)
         for line in (Path(workdir) / "metrics.jsonl").read_text().split("\n")
         if line
     ]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    return {r["step"]: r for r in rows if "train/loss" in r}
+
+
+def losses(workdir) -> dict[int, float]:
+    return {step: r["train/loss"] for step, r in train_metrics(workdir).items()}
 
 
 @pytest.mark.slow
@@ -238,7 +243,11 @@ def test_train_resume_and_eval_every_token(tmp_path, tfds_dir, ptb):
 def test_four_simulated_devices_match_one_with_memory(tmp_path, tfds_dir, ptb):
     # Long eval segments: few cross-device reductions in the final validation pass (XLA's CPU
     # collectives can starve on a loaded 2-core machine when there are hundreds of them).
-    args = ["--config.train.num_steps=3", "--config.eval.segment_length=512"]
+    args = [
+        "--config.train.num_steps=3",
+        "--config.eval.segment_length=512",
+        "--config.train.peak_tflops=0.001",
+    ]
     one = run(train_cmd(tmp_path / "one", tfds_dir, *args))
     assert one.returncode == 0, one.stderr[-3000:]
     four = run(
@@ -249,6 +258,23 @@ def test_four_simulated_devices_match_one_with_memory(tmp_path, tfds_dir, ptb):
     assert "CpuDevice(id=3)" in four.stderr
     l1, l4 = losses(tmp_path / "one"), losses(tmp_path / "four")
     np.testing.assert_allclose([l4[s] for s in (1, 2, 3)], [l1[s] for s in (1, 2, 3)], rtol=1e-4)
+    # The same global batch: the same model FLOPs a step, whatever the devices (behind MFU =
+    # FLOPs / s / (devices x peak)); XLA counts one device's program, x 4: a little more than
+    # one device executes, as each also runs the replicated work (Adam's update of every
+    # parameter, the relative encodings' projection).
+    for step in (1, 2, 3):
+        per_step = {}
+        for name, devices in (("one", 1), ("four", 4)):
+            r = train_metrics(tmp_path / name)[step]
+            steps_per_s = r["train/steps_per_s"]
+            per_step[name] = (
+                r["train/gflop_per_s"] / steps_per_s,
+                r["train/mfu"] * devices * 1e12 * 0.001 / steps_per_s,
+            )
+        (xla_one, model_one), (xla_four, model_four) = per_step["one"], per_step["four"]
+        assert xla_one < xla_four < 1.2 * xla_one
+        assert model_four == pytest.approx(model_one, rel=1e-9)
+        assert 0.5 * xla_one * 1e9 < model_one < xla_one * 1e9
 
 
 def test_train_step_draws_fresh_dropout_masks_every_step(tmp_path, tfds_dir, ptb):

@@ -86,6 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
     # "100:105": a jax.profiler trace of the steps with counter 100..104 (logged as steps 101-105)
     # in <workdir>/profile, for TensorBoard's profile plugin or Perfetto ("" = off)
     c.train.profile_steps = ""
+    # Dense bfloat16 peak of one device in TFLOP/s, the denominator of the logged MFU (model
+    # FLOPs utilisation, xformer/flops.py); 0 = by device kind (GPUs and TPUs it knows; on others
+    # no MFU is logged)
+    c.train.peak_tflops = 0.0
 
     # The device mesh (xformer/sharding.py): batch rows are split over data x fsdp; parameters
     # and Adam's moments are sharded over fsdp; attention heads, the FFN's inner width and
@@ -255,6 +259,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"train.profile_steps={t.profile_steps!r} goes beyond train.num_steps={t.num_steps}: "
             "stop is exclusive and at most num_steps (step counters run from 0 to num_steps - 1)"
         )
+    if t.peak_tflops < 0:
+        raise ValueError(
+            f"train.peak_tflops must be >= 0 (0 = by device kind), got {t.peak_tflops}"
+        )
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ValueError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     if config.eval.beam_size < 1:
@@ -271,6 +279,7 @@ RESUMABLE = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.profile_steps",
+    "train.peak_tflops",
     "train.nonfinite",
     "eval.",
     "mesh.",

@@ -17,6 +17,7 @@ from flax import nnx
 from xformer import config as config_lib
 from xformer import distributed, faults, op_profile, provenance
 from xformer import experiment as experiment_lib
+from xformer import flops as flops_lib
 from xformer.dispatch import DispatchWindow
 from xformer.files import read_json_if_present, write_json
 from xformer.optim import learning_rate_schedule
@@ -347,10 +348,22 @@ def train_and_evaluate(
     )
     first = global_batch(next(data_iter))
     compiled = jit_step.lower(state, rng_state, first).compile()
-    # XLA counts a loop body once; the scan over micro-batches runs grad_accum_steps times (the
-    # product counts the optimizer update that often too, a negligible part of a step).
-    flops = (compiled.cost_analysis() or {}).get("flops", 0.0) * t.grad_accum_steps
-    logging.info("train step: %.2f GFLOP per step (XLA cost analysis)", flops / 1e9)
+    flops = flops_lib.executed_flops(compiled, exp.mesh.size, t.grad_accum_steps)
+    model_flops = flops_lib.train_step_flops(
+        exp.model_cfg, t.batch_size, flops_lib.row_length(config)
+    ).total
+    device_kind = exp.mesh.devices.flat[0].device_kind
+    peak = flops_lib.peak_tflops(device_kind, t.peak_tflops)
+    logging.info(
+        "train step: %.2f GFLOP executed (XLA cost analysis, summed over %d device(s)), "
+        "%.2f GFLOP model FLOPs (flops.py); MFU against %s",
+        flops / 1e9,
+        exp.mesh.size,
+        model_flops / 1e9,
+        f"{peak:g} TFLOP/s per device"
+        if peak
+        else f"no peak: {device_kind!r} is not in flops.PEAK_TFLOPS (set train.peak_tflops)",
+    )
     lr_fn = learning_rate_schedule(t)
 
     # Training seconds, cumulative across resumes: compilation, start-up, metric writing,
@@ -412,15 +425,21 @@ def train_and_evaluate(
                     "tokens_per_s": sums["input_tokens"] / dt,
                     "target_tokens_per_s": sums["tokens"] / dt,
                     "gflop_per_s": flops * steps_per_s / 1e9,
+                    **(
+                        {"mfu": model_flops * steps_per_s / (exp.mesh.size * peak * 1e12)}
+                        if peak
+                        else {}
+                    ),
                     "train_seconds": train_seconds,
                     "nonfinite_steps": sums["nonfinite"],
                     "nonfinite_steps_total": nonfinite.total,
                 }
                 with clock.paused():
                     writer.write(step, last_metrics, prefix="train/")
+                    mfu = f" | MFU {last_metrics['mfu']:.1%}" if peak else ""
                     logging.info(
                         "step %d/%d | loss %.3f | ppl %.1f | lr %.2e | %.2f steps/s | %.0f tok/s | "
-                        "%.1f GFLOP/s | ETA %s",
+                        "%.1f GFLOP/s%s | ETA %s",
                         step,
                         t.num_steps,
                         last_metrics["loss"],
@@ -429,6 +448,7 @@ def train_and_evaluate(
                         steps_per_s,
                         last_metrics["tokens_per_s"],
                         last_metrics["gflop_per_s"],
+                        mfu,
                         format_duration(remaining),
                     )
                 interval_start, pending = train_seconds, []
