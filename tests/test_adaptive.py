@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from xformer import adaptive
 from xformer.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax, ClusterLayout
 
 V = 50
@@ -84,6 +85,32 @@ def test_single_cluster_is_the_plain_softmax(d_model):
     x = h if d_model == 16 else h @ _np(sm.projs[0]).T
     expected = _log_softmax(x @ _np(sm.tables[0]).T + _np(sm.bias))
     np.testing.assert_allclose(sm.log_probs(jnp.asarray(h)), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("cutoffs, width", [((), 56), (CUTOFFS, 16), ((10, 25), 16)])
+def test_head_rows_padded_to_a_multiple_of_8_score_nothing(cutoffs, width, monkeypatch):
+    """The head's V (or shortlist + n_tails) rows come padded to a width GPU matmuls take as it
+    is; the padding's logits have probability exactly 0, and the loss and every parameter's
+    gradient equal the unpadded head's (float64, 1e-12)."""
+    with jax.enable_x64(True):
+        f64 = {"dtype": jnp.float64, "param_dtype": jnp.float64}
+        sm = _softmax_module(16, 16, cutoffs, 1, **f64)
+        n = (cutoffs[0] + len(cutoffs)) if cutoffs else V
+        w, b, _ = sm._cluster(0, jnp.float64, jnp.float64)
+        assert w.shape == (width, 16) and b.shape == (width,) and width > n
+        h = jnp.asarray(_hidden(16), jnp.float64)
+        t = jnp.asarray(_targets(cutoffs))
+        assert float(jnp.abs(jax.nn.softmax(h @ w.T + b)[..., n:]).max()) == 0.0
+
+        def loss_and_grads():
+            loss, grads = nnx.value_and_grad(lambda m: m.nll(h, t).sum())(sm)
+            return [loss, *jax.tree.leaves(grads)]
+
+        padded = loss_and_grads()
+        monkeypatch.setattr(adaptive, "ROW_MULTIPLE", 1)
+        assert sm._cluster(0, jnp.float64, jnp.float64)[0].shape[0] == n
+        for got, expected in zip(padded, loss_and_grads(), strict=True):
+            np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("div_val", [1, 2, 4])

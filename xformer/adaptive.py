@@ -185,7 +185,8 @@ class AdaptiveLogSoftmax(nnx.Module):
 
     def _cluster(self, i: int, dtype, acc) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Cluster i's (weights [n_i, d_i] in dtype, bias [n_i] in acc, projection [d_i, d] or
-        None); the head's weights and bias have n_tails extra rows, the cluster logits."""
+        None); the head's weights and bias have n_tails extra rows, the cluster logits, and
+        then padding rows up to a multiple of ROW_MULTIPLE (`_pad_rows`)."""
         start, end = self.layout.clusters[i]
         g = self.layout.table_of(i)
         row = start - self.layout.table_ranges[g][0]
@@ -193,8 +194,11 @@ class AdaptiveLogSoftmax(nnx.Module):
         if i == 0 and self.cluster_weight is not None:
             w = jnp.concatenate([w, self.cluster_weight[...].astype(w.dtype)])
             b = jnp.concatenate([b, self.cluster_bias[...].astype(b.dtype)])
+        w, b = w.astype(dtype), b.astype(acc)
+        if i == 0:
+            w, b = _pad_rows(w, b)
         proj = self.projs[i]
-        return w.astype(dtype), b.astype(acc), None if proj is None else proj[...].astype(dtype)
+        return w, b, None if proj is None else proj[...].astype(dtype)
 
     def _log_softmax(self, hidden: jax.Array, i: int) -> jax.Array:
         """Cluster i's log-softmax [..., n_i] (the head's has n_tails extra entries)."""
@@ -235,6 +239,23 @@ class AdaptiveLogSoftmax(nnx.Module):
         return -logp.reshape(shape)
 
 
+# XLA:GPU pads a 16-bit matmul's dimensions to multiples of 8 for the tensor cores, in a pass
+# of its own over the operand; gathered row blocks and head weights of such a size need none.
+ROW_MULTIPLE = 8
+
+
+def _pad_rows(w: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Weights [n, d] and bias [n] -> [m, d], [m], m = n rounded up to ROW_MULTIPLE: zero
+    weights and bias precision.mask_value, logits whose softmax is exactly 0 (no gradient).
+    XLA:GPU would pad the head's GEMM to such a width itself, in passes over its operands and
+    its [N, n] logits (WikiText-103: 20,003 -> 20,008)."""
+    pad = -w.shape[0] % ROW_MULTIPLE
+    if not pad:
+        return w, b
+    fill = jnp.full((pad,), precision.mask_value(b.dtype), b.dtype)
+    return jnp.pad(w, ((0, pad), (0, 0))), jnp.concatenate([b, fill])
+
+
 def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
     """x [..., n], index [...] -> x[..., index]."""
     return jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0]
@@ -250,11 +271,6 @@ def _logits(h: jax.Array, w: jax.Array, b: jax.Array, proj: jax.Array | None) ->
 def _dense_tail_logp(h, w, b, proj, local, member) -> jax.Array:
     """Every row [N, d]: log p(local target | cluster) [N] where `member`, else 0."""
     return jnp.where(member, _gather(jax.nn.log_softmax(_logits(h, w, b, proj)), local), 0.0)
-
-
-# XLA:GPU pads a 16-bit matmul's dimensions to multiples of 8 for the tensor cores, in a pass
-# of its own over the operand; gathered row blocks of such a size need none.
-ROW_MULTIPLE = 8
 
 
 def _compact(
