@@ -34,12 +34,13 @@ def make_run(
     return str(directory)
 
 
-def train_row(step, seconds, tokens_per_s=100.0):
+def train_row(step, seconds, tokens_per_s=100.0, **more):
     return {
         "step": step,
         "train/steps_per_s": 10.0,
         "train/tokens_per_s": tokens_per_s,
         "train/train_seconds": seconds,
+        **{f"train/{name}": value for name, value in more.items()},
     }
 
 
@@ -224,3 +225,20 @@ def test_runs_that_differ_only_by_seed_are_grouped(tmp_path):
     assert float(table[1][f"{column}_std"]) == pytest.approx(np.std([30.2, 29.8], ddof=1))
     assert table[1][f"{column}_within_noise_of_best"] == "True"
     assert "seeds_csv" not in compare.write(compare.compare(workdirs[:1]), str(tmp_path / "one"))
+
+
+def test_mfu_column_where_a_run_logged_it(tmp_path):
+    """train/mfu (logged where the devices' peak is known): its median per run, a column only
+    when some run has it."""
+    mfus = [0.31, 0.12, 0.29]
+    a = make_run(
+        tmp_path / "a",
+        translation_config(),
+        [train_row(50 * (i + 1), 5.0 * (i + 1), mfu=m) for i, m in enumerate(mfus)],
+    )
+    b = make_run(tmp_path / "b", translation_config(learning_rate=1e-3), [train_row(50, 5.0)])
+    result = compare.compare([a, b])
+    table = list(csv.DictReader(io.StringIO(compare.to_csv(result))))
+    assert float(table[0]["median_mfu"]) == 0.29 and table[1]["median_mfu"] == ""
+    assert "| 29.0% |" in compare.to_markdown(result)
+    assert "median_mfu" not in compare.compare([b]).columns

@@ -221,13 +221,16 @@ def compare(workdirs: Sequence[str]) -> Comparison:
         "train_seconds",
         "median_tokens_per_s",
     ]
+    mfu = [run.train_median("mfu") for run in runs]  # logged where the devices' peak is known
+    if any(m is not None for m in mfu):
+        columns.append("median_mfu")
     for m in metrics:
         columns += [f"best_{val}_{m.name}", f"best_{val}_{m.name}_step", f"{test}_{m.name}"]
     metric_columns = {}
     for m in metrics:
         metric_columns[f"best_{val}_{m.name}"] = metric_columns[f"{test}_{m.name}"] = m
     rows = []
-    for name, run in zip(names, runs, strict=True):
+    for name, run, run_mfu in zip(names, runs, mfu, strict=True):
         row = [
             name,
             *(run.config.get(k) for k in differing),
@@ -236,6 +239,7 @@ def compare(workdirs: Sequence[str]) -> Comparison:
             run.steps(),
             run.train_seconds(),
             run.train_median("tokens_per_s"),
+            *([run_mfu] if "median_mfu" in columns else []),
         ]
         for m in metrics:
             curve = run.curve(m)
@@ -360,6 +364,8 @@ def _cell(value: Any, column: str, config_column: bool) -> str:
         return json.dumps(value) if isinstance(value, list) else str(value)
     if column == "train_seconds":
         return format_duration(value)
+    if column == "median_mfu":
+        return f"{value:.1%}"
     if isinstance(value, bool) or column in ("run", "steps") or column.endswith("_step"):
         return str(value)
     if isinstance(value, int):
