@@ -104,7 +104,7 @@ train_and_eval() {  # name, config, eval split during training, eval.py's split,
   run "${name}_train" "$need" "$PY" train.py --config="configs/$config.py" \
     --workdir="$WORK/$name" "${cli[@]}" "--config.data.eval_split=$during" &&
     run "${name}_eval" 30 "$PY" eval.py --workdir="$WORK/$name" "--split=$split"
-  show "${name}_train" "attention_impl|fall|step $STEPS/|finished|at step"
+  show "${name}_train" "attention_impl|fall|train step:|step $STEPS/|finished|at step"
   show "${name}_eval" "attention_impl|fall|BLEU|bleu|ppl|nll"
 }
 
