@@ -6,7 +6,8 @@ matmul of the forward pass over every position of the batch (2 forward, 4 backwa
 Transformer-XL's projection of the relative encodings, a constant with no gradient), padding
 included, attention scores and weighted values over the full [queries, keys] grid (masks do
 not reduce it), and no recomputation (`model.remat` raises the executed FLOPs, which XLA's cost
-analysis counts, not the model FLOPs). Embedding lookups, softmaxes, LayerNorm, dropout, the
+analysis counts, not the model FLOPs; so are the adaptive softmax's padding rows, which only
+round matmul widths up to multiples of 8). Embedding lookups, softmaxes, LayerNorm, dropout, the
 loss and the optimizer are left out (a few percent at d_model 512).
 """
 
