@@ -47,10 +47,6 @@ CASES = {
         "translation",
         {"model.positional": "relative", "model.num_encoder_layers": 2},
     ),
-    "translation, t5_bias, 2 micro-batches": (
-        "translation",
-        {"model.positional": "t5_bias", "train.grad_accum_steps": 2},
-    ),
     "rope with memory, untied, 4 heads": (
         "language_modeling",
         {"model.positional": "rope", "model.tie_output": False, "model.num_heads": 4},
@@ -66,8 +62,8 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_model_flops_are_the_compiled_steps_matmuls(case, tmp_path):
     """Exactly: projections, FFN, output layer, attention scores and values, XL's relative
-    terms (an encoder's distances of both signs), adaptive input and output projections, the
-    micro-batch loop; memory positions as keys."""
+    terms (an encoder's distances of both signs), adaptive input and output projections,
+    memory positions as keys."""
     family, overrides = CASES[case]
     with jax.enable_x64(True):
         task = tiny_task(family, str(tmp_path), vocab=40, **overrides)
