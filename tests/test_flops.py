@@ -41,9 +41,8 @@ def compiled_matmul_flops(task) -> float:
     return sum(op.flops * times for op, times in ran if matrix_matrix(op))
 
 
-ONE_LAYER = {
-    "model.num_decoder_layers": 1
-}  # compiles faster; layers are counted by the encoder-decoder
+# Language models with one layer compile faster; the encoder-decoder case counts layers.
+ONE_LAYER = {"model.num_decoder_layers": 1}
 ADAPTIVE = {
     **ONE_LAYER,
     "model.adaptive_cutoffs": (10, 20),
