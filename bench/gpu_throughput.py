@@ -37,7 +37,7 @@ the windows are reported. `--batches` distinct batches, already on the device, a
   (xformer/flops.py): 6 x the multiply-adds of the weight matrices over the positions of the
   step (padding included: the step computes them; memory positions included for XL's
   key/value projections; 4 x for XL's projection of the relative encodings), plus the
-  attention term 6 * 2 * Lq * Lk * d per row and layer (3 * Lq * W * d more with relative
+  attention term 6 * 2 * Lq * Lk * d per row and layer (6 * Lq * W * d more with relative
   positions, W distances; masked and causal halves included, as a dense kernel computes them).
   Embedding lookups, LayerNorm, softmax and the optimizer are left out.
 - MFU = model FLOPs per step / median step time / the device's dense bf16 peak (PEAK_TFLOPS

@@ -105,13 +105,11 @@ class _Macs:
     attention: int = 0
 
     def __add__(self, other: "_Macs") -> "_Macs":
-        return _Macs(*(a + b for a, b in zip(self._values(), other._values(), strict=True)))
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        return _Macs(*(a + b for a, b in pairs))
 
     def __mul__(self, n: int) -> "_Macs":
-        return _Macs(*(a * n for a in self._values()))
-
-    def _values(self) -> tuple[int, int, int]:
-        return self.weights, self.constant_inputs, self.attention
+        return _Macs(*(a * n for a in dataclasses.astuple(self)))
 
 
 def _ffn(cfg: StackConfig, positions: int) -> _Macs:
