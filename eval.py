@@ -53,10 +53,10 @@ import time
 import zlib
 from collections.abc import Iterator
 
-from xformer.huge_pages import reexec_with_huge_pages
+from xformer.malloc_tuning import reexec_with_malloc_tuning
 
 if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
-    reexec_with_huge_pages()
+    reexec_with_malloc_tuning()
 
 import jax
 from absl import app, flags, logging

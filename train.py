@@ -31,10 +31,10 @@ Multi-process (one command per process, every one with the same flags; README "M
 
 import sys
 
-from xformer.huge_pages import reexec_with_huge_pages
+from xformer.malloc_tuning import reexec_with_malloc_tuning
 
 if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
-    reexec_with_huge_pages()
+    reexec_with_malloc_tuning()
 
 import jax
 from absl import app, flags, logging

@@ -36,8 +36,8 @@ The ceiling is `bench/matmul_ceiling.py`'s f32 2048^3 matmul (median of 3), meas
 of every round; the table divides by the median over rounds. Each round also times "matmuls
 only": the step's 156 matmuls (`step_matmuls`) alone in one program, a bound on what removing
 all other work could give. Like train.py, the benchmark re-executes itself with glibc's malloc
-on transparent huge pages (xformer/huge_pages.py; both sides share the process);
-XFORMER_HUGE_PAGES=0 measures without.
+on huge pages and keeping freed memory (xformer/malloc_tuning.py; both sides share the
+process); XFORMER_MALLOC_TUNING=0 measures without.
 
 `--profile` traces `--profile_steps` xformer steps with `jax.profiler` and ranks the XLA ops
 (thunks: fusions, YNNPACK matmul fusions, Eigen dots, copies) of the trace by their time, summed
@@ -67,10 +67,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from xformer.huge_pages import reexec_with_huge_pages  # noqa: E402
+from xformer.malloc_tuning import reexec_with_malloc_tuning  # noqa: E402
 
-if __name__ == "__main__":  # before jax starts, as train.py does (xformer/huge_pages.py)
-    reexec_with_huge_pages()
+if __name__ == "__main__":  # before jax starts, as train.py does (xformer/malloc_tuning.py)
+    reexec_with_malloc_tuning()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -386,7 +386,7 @@ def main():
         "pytorch": None if tf is None else tf.version,
         "torch_threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # xformer/huge_pages.py
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # xformer/malloc_tuning.py
         "load_average_1_5_15min": os.getloadavg(),  # other processes sharing the cores
         "tokens_per_step": tokens,
         "xla_gflop_per_step": xf.flops / 1e9,

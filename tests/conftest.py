@@ -11,7 +11,7 @@ subprocess it starts (train.py, eval.py, xdist workers), through the environment
   just as well unoptimized): LLVM at optimization level 0, elementwise fusions through the
   classic IR emitter rather than the MLIR fusion emitters, no verification of emitted IR.
   HLO-level optimizations still run (the classic path fuses a little differently).
-* glibc's malloc on transparent huge pages, as the entry scripts run (xformer/huge_pages.py).
+* glibc's malloc tuned as the entry scripts run it (xformer/malloc_tuning.py).
 """
 
 import os
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from xformer import huge_pages
+from xformer import malloc_tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
@@ -53,7 +53,7 @@ def pytest_configure(config):
         if _xla_accepts(f"{flags} {FAST_EMITTER_XLA_FLAGS}"):
             flags = f"{flags} {FAST_EMITTER_XLA_FLAGS}"
     os.environ["XLA_FLAGS"] = flags
-    huge_pages.set_for_new_processes()  # as train.py runs; this process runs no test under xdist
+    malloc_tuning.set_for_new_processes()  # as train.py runs; this process runs no test under xdist
 
 
 def _xla_accepts(flags: str) -> bool:

@@ -99,7 +99,7 @@ def start_record(step: int) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # huge pages: huge_pages.py
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # malloc_tuning.py
     }
 
 
