@@ -222,7 +222,8 @@ def compare(workdirs: Sequence[str]) -> Comparison:
         "median_tokens_per_s",
     ]
     mfu = [run.train_median("mfu") for run in runs]  # logged where the devices' peak is known
-    if any(m is not None for m in mfu):
+    has_mfu = any(m is not None for m in mfu)
+    if has_mfu:
         columns.append("median_mfu")
     for m in metrics:
         columns += [f"best_{val}_{m.name}", f"best_{val}_{m.name}_step", f"{test}_{m.name}"]
@@ -239,7 +240,7 @@ def compare(workdirs: Sequence[str]) -> Comparison:
             run.steps(),
             run.train_seconds(),
             run.train_median("tokens_per_s"),
-            *([run_mfu] if "median_mfu" in columns else []),
+            *([run_mfu] if has_mfu else []),
         ]
         for m in metrics:
             curve = run.curve(m)

@@ -47,29 +47,20 @@ def tunables(current: str, huge_pages: bool) -> str:
     return ":".join(filter(None, [current, *added]))
 
 
-def wanted(environ: dict | None = None) -> bool:
-    """Whether this process should re-execute itself to get the settings."""
-    environ = os.environ if environ is None else environ
-    current = environ.get("GLIBC_TUNABLES", "")
-    return (
-        sys.platform == "linux"
-        and environ.get(OPT_OUT, "1") != "0"
-        and tunables(current, thp_available()) != current
-    )
-
-
 def set_for_new_processes() -> bool:
     """Add the settings to this process's GLIBC_TUNABLES, which processes started from now on
-    inherit; False where not `wanted`."""
-    if not wanted():
+    inherit; False where there is nothing to add, the user opted out or this is not Linux."""
+    if sys.platform != "linux" or os.environ.get(OPT_OUT, "1") == "0":
         return False
-    os.environ["GLIBC_TUNABLES"] = tunables(os.environ.get("GLIBC_TUNABLES", ""), thp_available())
-    return True
+    current = os.environ.get("GLIBC_TUNABLES", "")
+    tuned = tunables(current, thp_available())
+    os.environ["GLIBC_TUNABLES"] = tuned
+    return tuned != current
 
 
 def reexec_with_malloc_tuning() -> None:
     """Replace this process by the same command with `set_for_new_processes`' environment.
-    Returns at once where that is set already, opted out or not Linux."""
+    Returns at once where `set_for_new_processes` adds nothing."""
     if not set_for_new_processes():
         return
     sys.stdout.flush()
