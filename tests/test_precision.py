@@ -33,19 +33,20 @@ from xformer.positional.base import BoundScheme
 ROOT = Path(__file__).resolve().parents[1]
 SLOW = pytest.mark.slow
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2}  # fused vs xla, relative to the values' scale
+BFLOAT16_STEP = 2.0**-8  # one rounding step of bfloat16 (8 significant bits), relative
 
 
 def fresh_seed() -> int:
     return int(np.random.default_rng().integers(1e6))
 
 
-def assert_close(actual, expected, dtype: str, what: str = "") -> None:
-    """|actual - expected| <= TOLERANCE[dtype] * max|expected| (bfloat16 rounds relative to
-    the largest values it meets, so elementwise rtol would be meaningless near zero)."""
+def assert_close(actual, expected, dtype: str, what: str = "", tolerance: float = 0) -> None:
+    """|actual - expected| <= (tolerance or TOLERANCE[dtype]) * max|expected| (bfloat16 rounds
+    relative to the largest values it meets, so elementwise rtol would be meaningless near 0)."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     scale = max(np.abs(expected).max(), 1e-30)
     error = np.abs(actual - expected).max() / scale
-    assert error <= TOLERANCE[dtype], f"{what}: max error {error:.2e} of scale {scale:.2e}"
+    assert error <= (tolerance or TOLERANCE[dtype]), f"{what}: max error {error:.2e} of {scale:.2e}"
 
 
 # Mask fill values ------------------------------------------------------------------------------
@@ -428,7 +429,10 @@ def test_cudnn_gets_head_sizes_padded_to_a_multiple_of_8(head_size, monkeypatch)
         strict=True,
     ):
         assert g.dtype == w.dtype and g.shape == w.shape, name
-        assert_close(g, w, "float32", name)  # the same computation, up to summation order
+        # The same arithmetic, but a CPU with native bfloat16 dots (AVX512-BF16, AMX) may take
+        # another kernel for the padded shape and round one bfloat16 step differently; a wrong
+        # scale or nonzero padding is off by far more (the scale alone by 1 - sqrt(5/8) = 21%).
+        assert_close(g, w, "bfloat16", name, tolerance=BFLOAT16_STEP)
 
 
 # Whole models: fused equals xla, bfloat16 trains like float32 -----------------------------------
