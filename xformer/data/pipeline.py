@@ -1,7 +1,7 @@
 """Translation input pipelines: tokenized pairs -> packed training batches and eval batches.
 
 Training rows are fixed-shape [batch, max_train_length] packs of several sentence pairs (first-fit
-packing through grain), described by segment ids (0 = padding) and per-segment positions. The
+packing, `packing.py`), described by segment ids (0 = padding) and per-segment positions. The
 decoder input of each pair is BOS + target and its label is target + EOS, so they pack with
 identical layouts and the shift never crosses an example boundary.
 """
@@ -13,7 +13,8 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
-from xformer.data.tokenizer import BOS_ID, PAD_ID, Tokenizer
+from xformer.data.packing import PackedPairs
+from xformer.data.tokenizer import PAD_ID, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,26 +87,6 @@ class EncodedPairs:
         return len(self.src)
 
 
-def _example(src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
-    return {
-        "src": src,
-        "tgt_in": np.concatenate([[BOS_ID], tgt[:-1]]).astype(np.int32),
-        "tgt_out": tgt,
-    }
-
-
-def _rename_packed(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {
-        "src": batch["src"],
-        "src_segments": batch["src_segment_ids"],
-        "src_positions": batch["src_positions"],
-        "tgt_in": batch["tgt_in"],
-        "tgt_out": batch["tgt_out"],
-        "tgt_segments": batch["tgt_out_segment_ids"],
-        "tgt_positions": batch["tgt_out_positions"],
-    }
-
-
 def packed_train_dataset(
     pairs: EncodedPairs,
     *,
@@ -116,7 +97,7 @@ def packed_train_dataset(
     num_shards: int = 1,
     shards: Sequence[int] = (0,),
 ) -> grain.IterDataset:
-    """Shuffled (reshuffled every epoch), packed training batches.
+    """Shuffled (reshuffled every epoch), first-fit packed training batches (`packing.py`).
 
     A global batch of batch_size rows joins num_shards independent packed streams, shard s
     packing the pairs s, s + num_shards, ... into batch_size / num_shards rows; this dataset
@@ -132,19 +113,16 @@ def packed_train_dataset(
             f"{num_shards} input shards"
         )
     rows = batch_size // num_shards
-    lengths = {"src": max_length, "tgt_in": max_length, "tgt_out": max_length}
 
-    def shard(s: int) -> grain.IterDataset:
-        ds = grain.MapDataset.source(keep[s::num_shards]).shuffle(seed=seed).repeat()
-        ds = ds.map(lambda i: _example(pairs.src[i], pairs.tgt[i]))
-        packed = grain_exp.FirstFitPackIterDataset(
-            ds.to_iter_dataset(),
-            length_struct=lengths,
-            num_packing_bins=num_packing_bins or 4 * rows,
+    def shard(s: int) -> PackedPairs:
+        return PackedPairs(
+            pairs,
+            keep[s::num_shards],
+            length=max_length,
+            num_bins=num_packing_bins or 4 * rows,
+            rows_per_batch=rows,
             seed=seed,
-            shuffle_bins=True,
         )
-        return packed.batch(rows, drop_remainder=True).map(_rename_packed)
 
     if len(shards) == 1:
         return shard(shards[0])
