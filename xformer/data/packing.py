@@ -48,18 +48,16 @@ class PackedPairs(grain.IterDataset):
         if too_long.any():
             raise ValueError(f"{int(too_long.sum())} pairs have a side longer than {length}")
         self.pairs, self.members = pairs, np.asarray(members, np.int64)
-        self.length, self.num_bins, self.rows_per_batch, self.seed = (
-            length,
-            num_bins,
-            rows_per_batch,
-            seed,
-        )
+        self.length, self.num_bins = length, num_bins
+        self.rows_per_batch, self.seed = rows_per_batch, seed
 
     def __iter__(self) -> "PackedPairsIterator":
         return PackedPairsIterator(self)
 
 
 class PackedPairsIterator(grain.DatasetIterator):
+    """The batches of a PackedPairs from its start or from a `get_state()` position."""
+
     def __init__(self, spec: PackedPairs):
         super().__init__()
         self._spec = spec
