@@ -61,8 +61,7 @@ def reference_batches(pairs: EncodedPairs, members: np.ndarray, num_batches: int
     ]
 
 
-def settings() -> dict:
-    return {"batch_size": ROWS, "max_length": LENGTH, "seed": SEED, "num_packing_bins": BINS}
+SETTINGS = {"batch_size": ROWS, "max_length": LENGTH, "seed": SEED, "num_packing_bins": BINS}
 
 
 def test_packing_equals_the_plain_python_packer_over_several_epochs():
@@ -70,7 +69,7 @@ def test_packing_equals_the_plain_python_packer_over_several_epochs():
     pairs = random_pairs(rng, 40)  # 38 fit; ~8 pairs a round: 30 batches span ~5 epochs
     members = np.arange(2, 40)
     want = reference_batches(pairs, members, 30)
-    have = iter(packed_train_dataset(pairs, **settings()))
+    have = iter(packed_train_dataset(pairs, **SETTINGS))
     for batch, expected in zip((next(have) for _ in want), want, strict=True):
         assert batch.keys() == expected.keys()
         for key in batch:
@@ -82,13 +81,13 @@ def test_every_position_resumes_exactly():
     """From the state after k batches (mid-round and at round ends), a fresh iterator serves
     the same next batches."""
     pairs = random_pairs(np.random.default_rng(), 50)
-    original = iter(packed_train_dataset(pairs, **settings()))
+    original = iter(packed_train_dataset(pairs, **SETTINGS))
     states, batches = [], []
     for _ in range(12):
         states.append(original.get_state())
         batches.append(next(original))
     for k in (0, 1, 2, 3, 7, 11):
-        resumed = iter(packed_train_dataset(pairs, **settings()))
+        resumed = iter(packed_train_dataset(pairs, **SETTINGS))
         resumed.set_state(states[k])
         for expected in batches[k : k + 2]:
             for key, value in next(resumed).items():
@@ -97,7 +96,7 @@ def test_every_position_resumes_exactly():
 
 def test_a_state_of_another_pipeline_is_refused_with_its_reason():
     pairs = random_pairs(np.random.default_rng(), 20)
-    it = iter(packed_train_dataset(pairs, **settings()))
+    it = iter(packed_train_dataset(pairs, **SETTINGS))
     with pytest.raises(ValueError, match="written before xformer's own packer"):
         it.set_state({"parent": {"next_index": 5}, "next_row": 0, "counter": 12})
 

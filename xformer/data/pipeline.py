@@ -13,7 +13,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
-from xformer.data.packing import PackedPairs
+from xformer.data.packing import PackedPairs, join_rows
 from xformer.data.tokenizer import PAD_ID, Tokenizer
 
 
@@ -126,11 +126,7 @@ def packed_train_dataset(
 
     if len(shards) == 1:
         return shard(shards[0])
-    return grain_exp.ZipIterDataset([shard(s) for s in shards]).map(_join_rows)
-
-
-def _join_rows(parts: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return grain_exp.ZipIterDataset([shard(s) for s in shards]).map(join_rows)
 
 
 def bucket_length(n: int, multiple: int = 16) -> int:
