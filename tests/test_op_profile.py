@@ -188,7 +188,7 @@ def test_gpu_trace_sums_stream_kernels_per_step(tmp_path):
             "loop_multiply_fusion": 0.010,
         }
     )
-    calls = {r["op"]: r["calls_per_step"] for r in summary["top_ops"]}
+    calls = {r["op"]: r["kernels_per_step"] for r in summary["top_ops"]}
     assert calls["custom-call.5"] == 2 and calls["gemm_fusion"] == 1
     assert summary["op_ms_per_step"] == pytest.approx(0.690)
     assert summary["unclaimed_device_ms_per_step"] == pytest.approx(0.040)  # the memcpys only
@@ -209,6 +209,10 @@ def test_gpu_trace_sums_stream_kernels_per_step(tmp_path):
     assert dense["gflop_per_s"] == pytest.approx(2 * 2 * 64**3 / 0.4e-3 / 1e9)
     moved = 2 * f32 + (64 * 64 * 2 + 2 * f32)  # gemm_fusion, custom-call.4
     assert dense["gb_per_s"] == pytest.approx(moved / 0.4e-3 / 1e9)
+    # the cuDNN call's two kernels are one run: its bytes count once
+    fmha = next(r for r in summary["top_ops"] if r["op"] == "custom-call.5")
+    fmha_bytes = op_profile.parse_hlo(HLO)["custom-call.5"].bytes
+    assert fmha["gb_per_s"] == pytest.approx(fmha_bytes / 0.200e-3 / 1e9)
     transpose = next(r for r in summary["top_ops"] if r["op"] == "loop_transpose_fusion")
     assert transpose["gb_per_s"] == pytest.approx(2 * f32 / 0.020e-3 / 1e9)
     assert transpose["gflop_per_s"] is None
@@ -271,7 +275,7 @@ def test_step_profiler_saves_the_program_and_the_cli_ranks_its_ops(tmp_path, cap
     ops = op_profile.parse_hlo(hlo)
     assert {r["op"] for r in summary["top_ops"]} <= set(ops)
     matmuls = [r for r in summary["top_ops"] if r["kind"] == "matmul"]
-    assert len(matmuls) == 1 and matmuls[0]["calls_per_step"] == 1
+    assert len(matmuls) == 1 and matmuls[0]["kernels_per_step"] == 1
     assert matmuls[0]["shape"] == "f32[256,256]"
     assert 0 < summary["op_ms_per_step"] <= summary["span_ms_per_step"] * 2  # 2 cores at most
     assert f"python -m xformer.op_profile {run}" in caplog.text

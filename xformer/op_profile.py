@@ -268,11 +268,11 @@ CATEGORIES: tuple[Category, ...] = (  # first match wins
     ("matmul: dense layers", lambda op: op.kind == "matmul"),
     ("collectives", lambda op: op.kind == "collective"),
     ("layout transposes / copies", lambda op: op.kind == "transpose"),
+    ("embeddings", lambda op: any(s in op.source for s in ("_embed", "embedding", ":Embed."))),
     ("dense layers: bias, activation", _from_package("linear.py", "blocks.py:FeedForward")),
     ("loss", _from_package("losses.py", "adaptive.py")),
     ("dropout", _from_package("dropout.py")),
     ("attention softmax, masks, positions", _from_package("attention", "masks", "positional")),
-    ("embeddings", lambda op: "_embed" in op.source or "embedding" in op.source),
     ("LayerNorm, residual", lambda op: "Residual" in op.source or "norm" in op.source.lower()),
     ("optimizer", lambda op: op.source.startswith("train_lib.py") or "optax" in op.op_name),
     ("other", lambda op: True),
@@ -407,12 +407,14 @@ def _stats(event) -> dict:
 
 def _self_times(events: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float]]:
     """(op, start, duration) of one timeline -> (op, start, self time, end): an event that
-    encloses others (a while or conditional thunk around its body's ops) keeps its own time."""
+    encloses others (a while or conditional thunk around its body's ops) keeps its own time.
+    Only whole enclosure nests: consecutive GPU kernels can overlap by a timestamp's rounding
+    (a kernel starting 0.1 us before the previous one ends), and must keep their times."""
     events = sorted(events, key=lambda e: (e[1], -e[2]))
     own = [d for _, _, d in events]
     stack: list[int] = []  # indices of the events enclosing the current one
     for i, (_, start, duration) in enumerate(events):
-        while stack and start >= events[stack[-1]][1] + events[stack[-1]][2]:
+        while stack and start + duration > events[stack[-1]][1] + events[stack[-1]][2]:
             stack.pop()
         if stack:
             own[stack[-1]] -= duration
@@ -484,6 +486,9 @@ def summarise(
     if not steps:
         raise ValueError(f"no '{STEP_ANNOTATION}' step annotations in {xplane}: pass steps")
     ops, categories = parse_hlo(hlo), tuple(categories)
+    # a library call (cuBLAS, cuDNN) may launch several kernels per run: its bytes and FLOPs
+    # count once per run of the program, not once per kernel
+    runs = {op.name: times for op, times in kernels(hlo, ops) if op.opcode == "custom-call"}
     seconds, calls = collections.Counter(), collections.Counter()
     for name, _, duration, _ in events:
         seconds[name] += duration * 1e-9 / steps
@@ -494,7 +499,8 @@ def summarise(
     for name, s in seconds.most_common():
         op = ops.get(name) or Op(name, "?", "?", "", "", "", "")
         category = next(label for label, test in categories if test(op))
-        moved, flops = op.bytes * calls[name], op.flops * calls[name]  # per step
+        times = runs.get(name, calls[name])  # per step
+        moved, flops = op.bytes * times, op.flops * times
         for i, value in enumerate((s, moved, flops)):
             by_category[category][i] += value
         rows.append(
@@ -507,7 +513,7 @@ def summarise(
                 "op_name": op.op_name.removeprefix(f"jit({module})/"),
                 "ms_per_step": 1e3 * s,
                 "share": s / total,
-                "calls_per_step": calls[name],
+                "kernels_per_step": calls[name],
                 **_rates(s, moved, flops),
             }
         )
@@ -560,13 +566,13 @@ def format_summary(summary: dict) -> str:
     ]
     lines += [
         "",
-        "| op | kind | shape | source (innermost) | jax op | calls/step | ms/step | share | "
+        "| op | kind | shape | source (innermost) | jax op | kernels/step | ms/step | share | "
         "GB/s | GFLOP/s |",
         "|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['op']} | {r['kind']} | {r['shape']} | {r['source']} | {r['op_name'][-48:]} | "
-        f"{r['calls_per_step']:g} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% | "
+        f"{r['kernels_per_step']:g} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% | "
         f"{_fmt(r['gb_per_s'])} | {_fmt(r['gflop_per_s'])} |"
         for r in summary["top_ops"]
     ]
