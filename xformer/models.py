@@ -11,6 +11,7 @@ from xformer import masks, precision
 from xformer.attention import decode_layout
 from xformer.blocks import DecoderBlock, SelfAttentionBlock, layer_norm
 from xformer.dropout import Dropout
+from xformer.embedding import Embed
 from xformer.layout import Layout
 from xformer.linear import Linear, over_rows
 from xformer.model_config import TransformerConfig
@@ -31,9 +32,9 @@ class EncoderDecoder(nnx.Module):
         init = logical(nnx.initializers.normal(d**-0.5), "vocab", "embed")  # unit scale after
         # the sqrt(d) multiplier
         embed = dict(embedding_init=init, **cfg.dtypes, rngs=rngs)
-        self.src_embed = nnx.Embed(cfg.src_vocab_size, d, **embed)
+        self.src_embed = Embed(cfg.src_vocab_size, d, **embed)
         self.tgt_embed = (
-            self.src_embed if cfg.share_embeddings else nnx.Embed(cfg.tgt_vocab_size, d, **embed)
+            self.src_embed if cfg.share_embeddings else Embed(cfg.tgt_vocab_size, d, **embed)
         )
         scheme = SCHEMES[cfg.positional]
         self.src_positional = scheme(cfg, cfg.num_encoder_layers, rngs=rngs)

@@ -7,6 +7,7 @@ import numpy as np
 from flax import nnx
 
 from xformer import precision
+from xformer.embedding import Embed
 from xformer.positional.base import PositionalScheme
 from xformer.sharding import logical
 
@@ -51,9 +52,7 @@ class LearnedPositions(PositionalScheme):
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.max_len = cfg.max_len
         init = logical(nnx.initializers.normal(0.02), None, "embed")
-        self.table = nnx.Embed(
-            cfg.max_len, cfg.d_model, embedding_init=init, **cfg.dtypes, rngs=rngs
-        )
+        self.table = Embed(cfg.max_len, cfg.d_model, embedding_init=init, **cfg.dtypes, rngs=rngs)
 
     def embed(self, positions: jax.Array) -> jax.Array:
         return self.table(positions)
