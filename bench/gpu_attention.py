@@ -3,6 +3,7 @@ it compute what the XLA path computes?
 
     python bench/gpu_attention.py                 # one H100 / H200, ~9 min (mostly compiling)
     python bench/gpu_attention.py --quick         # tiny shapes, any backend (CPU: no cuDNN)
+    python bench/gpu_attention.py --sizes multi30k --only "enc-dec sinusoidal"  # Multi30k's
 
 For every case, three models share one set of float32 parameters (same seed): the bfloat16
 model with `model.attention_impl="xla"`, the same with "fused", and a float32 "xla" model as
@@ -45,10 +46,12 @@ from xformer.models import EncoderDecoder  # noqa: E402
 CUDNN_CALL = "__cudnn$fmha"
 
 
-def _sizes(quick: bool) -> dict:
-    if quick:
-        return dict(batch=2, length=16, d_model=32, heads=2, layers=1, vocab=50)
-    return dict(batch=16, length=256, d_model=512, heads=8, layers=2, vocab=8000)
+SIZES = {
+    "default": dict(batch=16, length=256, d_model=512, heads=8, layers=2, vocab=8000),
+    # configs/multi30k_ende.py's model and training batch (3+3 layers, packed rows of 64)
+    "multi30k": dict(batch=32, length=64, d_model=256, heads=4, layers=3, vocab=8000),
+    "quick": dict(batch=2, length=16, d_model=32, heads=2, layers=1, vocab=50),
+}
 
 
 def _packed_segments(rng, batch: int, length: int) -> np.ndarray:
@@ -217,11 +220,13 @@ def check_decode_step(sizes: dict, rng, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (any backend)")
+    parser.add_argument("--sizes", choices=sorted(SIZES), default="default", help="model, batch")
     parser.add_argument(
         "--only", default="", help="run the cases whose name holds one of these (a,b,...)"
     )
     args = parser.parse_args()
-    sizes, rng, seed = _sizes(args.quick), np.random.default_rng(), int(time.time()) % 10_000
+    sizes = SIZES["quick" if args.quick else args.sizes]
+    rng, seed = np.random.default_rng(), int(time.time()) % 10_000
     command = " ".join(["python bench/gpu_attention.py", *sys.argv[1:]])
     device = jax.devices()[0]
     print(

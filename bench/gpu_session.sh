@@ -6,18 +6,25 @@
 # then the device call, carrying [".whl", "workdirs/gpu_data"], timeout_s 600:
 #   bash bench/gpu_session.sh          # = all
 # and give the machine back. `all` runs these steps in this order while its time budget
-# (BUDGET_S, default 500 s) lasts; a step starts only with at least its estimate left (the
+# (BUDGET_S, default 540 s) lasts; a step starts only with at least its estimate left (the
 # estimates are guesses until one GPU run times them), runs under `timeout` of what is left,
 # and a failing step does not stop the next:
 #   facts       nvidia-smi, jax and its devices
-#   mt          train.py + eval.py, Multi30k, model.dtype=bfloat16, attention_impl=fused (Done when)
-#   ptb         the same for PTB Transformer-XL
-#   prof_fused  gpu_throughput.py --profile: wmt14 (Transformer base) bf16 fused, where the
-#               step's time goes (the 45% MFU goal; 23.3% measured 2026-11-24)
+#   mt          train.py + eval.py, Multi30k, model.dtype=bfloat16, attention_impl=fused (Done
+#               when; on 2026-11-27 its first step's loss or gradient was not finite)
+#   mt_bisect   only after a failed mt: 2 steps under JAX_DEBUG_NANS (jax names the first
+#               primitive whose output is NaN), 20 steps with XLA's attention, and
+#               bench/gpu_attention.py (cuDNN against XLA) at Multi30k's shapes
+#   clean       gpu_throughput.py, wmt14 (Transformer base) bf16 fused, no tracing: the step
+#               time and MFU of the 45% goal (21.4% on 2026-11-27)
+#   prof_fused  the clean setting again, traced: where the step's time goes
+#   ptb         train.py + eval.py, PTB Transformer-XL, bf16 fused (passed on 2026-11-27)
+#   no_triton   the clean setting with XLA's Triton GEMMs off (cuBLAS for every matmul)
+#   prof_xl     wt103_xl bf16 fused, traced
 #   ceilings    bf16 8192^3 matmul and device copy (bench/matmul_ceiling.py)
-#   prof_xla    the same profile with XLA's attention
-#   remat       wmt14 bf16 fused, model.remat=none, full and dots: step time and peak memory
-#   prof_xl     wt103_xl bf16 fused (cuDNN on head size 41 padded to 48)
+#   prof_xla    wmt14 bf16 with XLA's attention, traced
+#   remat       wmt14 bf16 fused, model.remat=full and dots: step time and peak memory
+#   (mt_ptb runs mt and ptb at once, each process taking GPU memory as it needs it)
 # `bash bench/gpu_session.sh STEP...` runs only those steps. Everything is written under
 # $WORK/out; $OUT (the device's return folder, at most 8 files; default workdirs/gpu_session)
 # receives summary.txt, session.tgz (every log, JSON and metrics file; no checkpoints) and
@@ -30,7 +37,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-workdirs/gpu_session}"
 PY="${PY:-python3}"
 STEPS="${STEPS:-200}"
-BUDGET_S="${BUDGET_S:-500}"
+BUDGET_S="${BUDGET_S:-540}"
 WORK="${WORK:-$(mktemp -d)}"  # workdirs and checkpoints stay here
 LOGS="$WORK/out"
 mkdir -p "$OUT" "$LOGS"
@@ -69,7 +76,8 @@ run() {  # name, needed seconds, command...: its output to <name>.log, under the
 }
 
 show() {  # log name, extended regex: its matching lines in the summary
-  grep -E "$2" "$LOGS/$1.log" 2>/dev/null | cut -c1-240 | tail -n 8 | tee -a "$LOGS/summary.txt"
+  grep -E "$2" "$LOGS/$1.log" 2>/dev/null | cut -c1-240 | tail -n 8 | sed "s/^/  $1: /" |
+    tee -a "$LOGS/summary.txt"
 }
 
 throughput() {  # step name, gpu_throughput.py arguments...: start no setting after the budget
@@ -110,6 +118,35 @@ train_and_eval() {  # name, config, eval split during training, eval.py's split,
 
 step_mt() { train_and_eval mt multi30k_ende "$mt_split" "$mt_split" 150; }
 step_ptb() { train_and_eval ptb ptb_xl "${ptb_split/test/valid}" "$ptb_split" 120; }
+step_mt_ptb() {  # both at once; each process takes GPU memory as it needs it
+  (export XLA_PYTHON_CLIENT_PREALLOCATE=false; step_mt) &
+  (export XLA_PYTHON_CLIENT_PREALLOCATE=false; step_ptb) &
+  wait
+}
+
+step_mt_bisect() {  # only after a failed mt: which part of the step is not finite
+  grep -q "non-finite" "$LOGS/mt_train.log" 2>/dev/null || { note "[mt_bisect] not needed"; return 0; }
+  # jax re-runs the failing step op by op and names the first primitive whose output is NaN
+  JAX_DEBUG_NANS=True run mt_nan 100 "$PY" train.py --config=configs/multi30k_ende.py \
+    --workdir="$WORK/mt_nan" "${cli[@]}" "--config.data.eval_split=$mt_split" \
+    --config.train.num_steps=2 --config.train.log_every=1
+  grep -E -B2 -A6 "FloatingPointError|[Ii]nvalid value" "$LOGS/mt_nan.log" 2>/dev/null |
+    cut -c1-240 | tail -n 30 | tee -a "$LOGS/summary.txt"
+  run mt_xla 100 "$PY" train.py --config=configs/multi30k_ende.py --workdir="$WORK/mt_xla" \
+    "${cli[@]/attention_impl=fused/attention_impl=xla}" "--config.data.eval_split=$mt_split" \
+    --config.train.num_steps=20 --config.train.log_every=5
+  show mt_xla "non-finite|step 20/|Error"
+  # cuDNN against XLA at Multi30k's model and batch shapes, on random packed rows
+  run attn_mt 90 "$PY" bench/gpu_attention.py --sizes multi30k --only "enc-dec sinusoidal" \
+    "${quick[@]}"
+  show attn_mt "^\| enc-dec|Error"
+}
+
+step_clean() { throughput clean --configs wmt14 --impls fused; }
+step_no_triton() {  # the clean setting with every GEMM on cuBLAS (XLA may tile some in Triton)
+  (export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=false"
+    throughput no_triton --configs wmt14 --impls fused)
+}
 
 step_prof_fused() { throughput prof_fused --configs wmt14 --impls fused --profile 3; }
 step_prof_xla() { throughput prof_xla --configs wmt14 --impls xla --profile 3; }
@@ -124,17 +161,17 @@ step_ceilings() {
 
 step_remat() {
   local remat
-  for remat in none full dots; do
+  for remat in full dots; do  # none: the clean step
     throughput "remat_$remat" --configs wmt14 --impls fused --set "model.remat=$remat"
   done
 }
 
 steps=("$@")
 ((${#steps[@]})) && [[ "${steps[0]}" != all ]] ||
-  steps=(facts mt ptb prof_fused ceilings prof_xla remat prof_xl)
+  steps=(facts mt mt_bisect clean prof_fused ptb no_triton prof_xl ceilings prof_xla remat)
 for name in "${steps[@]}"; do
   if ! declare -F "step_$name" >/dev/null; then
-    echo "unknown step '$name'; steps: facts mt ptb prof_fused ceilings prof_xla remat prof_xl" >&2
+    echo "unknown step '$name'; steps: facts mt mt_bisect clean prof_fused ptb no_triton prof_xl ceilings prof_xla remat mt_ptb" >&2
     exit 2
   fi
 done

@@ -382,7 +382,7 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
         state, metrics = compiled(state, rng_state, batches[count % len(batches)])
         count += 1
     jax.block_until_ready((state, metrics))
-    step_times, rates = [], []
+    step_times, rates, skipped = [], [], 0
     for _ in range(spec["repeats"]):
         window = [count + i for i in range(spec["steps"])]
         start = time.perf_counter()
@@ -393,9 +393,8 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
         count += len(window)
         step_times.append(seconds / len(window))
         rates.append(sum(tokens[i % len(batches)] for i in window) / seconds)
+        skipped += float(metrics["nonfinite"])  # the window's last step skipped its update
     loss = float(metrics["loss_sum"] / metrics["tokens"])
-    if not math.isfinite(loss):
-        raise FloatingPointError(f"loss {loss} after {count} steps")
     profile = None
     if spec.get("profile"):
         profile = profile_steps(spec, compiled, hlo, (state, rng_state), batches, count, jax)
@@ -423,6 +422,8 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
         "step_bytes_xla": step_bytes,
         "cudnn_attention_calls": hlo.count("__cudnn$fmha"),
         "loss": loss,
+        "grad_norm": float(metrics["grad_norm"]),
+        "nonfinite_windows": int(skipped),  # windows whose last step had a non-finite gradient
         "steps_run": count,
         "profile": profile,
     }
@@ -685,7 +686,13 @@ def main() -> None:
     print(f"command: {command}\n")
     print(table(report["results"]))
     for r in report["results"]:
-        for line in r.get("attention_log", []):
+        lines = list(r.get("attention_log", []))
+        if r.get("nonfinite_windows"):
+            lines.append(
+                f"{r['nonfinite_windows']} of the timed windows ended in a step whose loss or "
+                f"gradient was not finite (grad norm {r['grad_norm']}): its update was skipped"
+            )
+        for line in lines:
             print(f"note ({r['model']} {r['dtype']} {r['attention_impl']}): {line}")
     for r in report["results"]:
         if r.get("profile"):
