@@ -272,19 +272,24 @@ class NonfiniteSteps:
         self.checked_through = step
         if not bad:
             return
+        first = pending[bad[0] - steps.start]
+        loss, norm = float(first["loss_sum"]), float(first["grad_norm"])
+        values = f"loss sum {loss:.4g}, gradient norm {norm:.4g}"
         if self.mode == "stop":
             kept = "none" if last_checkpoint is None else f"step {last_checkpoint}"
             raise DivergedError(
-                f"non-finite loss or gradient at step {bad[0]}; its update was not applied and "
-                f"no checkpoint was saved after it (the last one kept: {kept}). Lower "
-                "train.learning_rate, set train.grad_clip_norm, or train.nonfinite='skip' to go on"
+                f"non-finite loss or gradient at step {bad[0]} ({values}); its update was not "
+                f"applied and no checkpoint was saved after it (the last one kept: {kept}). "
+                "Lower train.learning_rate, set train.grad_clip_norm, or "
+                "train.nonfinite='skip' to go on"
             )
         self.total += len(bad)
         logging.warning(
-            "skipped the update of %d non-finite step(s) up to step %d (first: %d; %d so far)",
+            "skipped the update of %d non-finite step(s) up to step %d (first: %d, %s; %d so far)",
             len(bad),
             step,
             bad[0],
+            values,
             self.total,
         )
 
