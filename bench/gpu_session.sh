@@ -18,6 +18,8 @@
 #   clean       gpu_throughput.py, wmt14 (Transformer base) bf16 fused, no tracing: the step
 #               time and MFU of the 45% goal (21.4% on 2026-11-27)
 #   prof_fused  the clean setting again, traced: where the step's time goes
+#   packed_attn bench/gpu_packed_attention.py: wmt14's attention calls with the segment mask as
+#               a bias (today) against cuDNN's packed-sequence mode
 #   ptb         train.py + eval.py, PTB Transformer-XL, bf16 fused (passed on 2026-11-27)
 #   no_triton   the clean setting with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   prof_xl     wt103_xl bf16 fused, traced
@@ -143,6 +145,10 @@ step_mt_bisect() {  # only after a failed mt: which part of the step is not fini
 }
 
 step_clean() { throughput clean --configs wmt14 --impls fused; }
+step_packed_attn() {  # cuDNN on packed rows: the mask as a bias against per-segment offsets
+  run packed_attn 60 "$PY" bench/gpu_packed_attention.py
+  show packed_attn "^\| (encoder|decoder|cross)|Error"
+}
 step_no_triton() {  # the clean setting with every GEMM on cuBLAS (XLA may tile some in Triton)
   (export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=false"
     throughput no_triton --configs wmt14 --impls fused)
@@ -168,10 +174,12 @@ step_remat() {
 
 steps=("$@")
 ((${#steps[@]})) && [[ "${steps[0]}" != all ]] ||
-  steps=(facts mt mt_bisect clean prof_fused ptb no_triton prof_xl ceilings prof_xla remat)
+  steps=(facts mt mt_bisect clean prof_fused packed_attn ptb no_triton prof_xl ceilings prof_xla
+    remat)
 for name in "${steps[@]}"; do
   if ! declare -F "step_$name" >/dev/null; then
-    echo "unknown step '$name'; steps: facts mt mt_bisect clean prof_fused ptb no_triton prof_xl ceilings prof_xla remat mt_ptb" >&2
+    echo "unknown step '$name'; steps: facts mt mt_bisect clean prof_fused packed_attn ptb no_triton prof_xl ceilings"\
+    "prof_xla remat mt_ptb" >&2
     exit 2
   fi
 done
