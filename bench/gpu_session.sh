@@ -85,8 +85,8 @@ show() {  # log name, extended regex: its matching lines in the summary
 throughput() {  # step name, gpu_throughput.py arguments...: start no setting after the budget
   local name="$1"
   shift
-  run "$name" 150 "$PY" bench/gpu_throughput.py "${quick[@]}" --dtypes bfloat16 \
-    --budget-s "$(($(left) - 90))" --out "$LOGS/$name.json" --profile-dir "$LOGS/$name" "$@"
+  run "$name" 110 "$PY" bench/gpu_throughput.py "${quick[@]}" --dtypes bfloat16 \
+    --budget-s "$(($(left) - 60))" --out "$LOGS/$name.json" --profile-dir "$LOGS/$name" "$@"
   # the status line, the table row, and the op profile's categories (its top ops: in the log)
   awk '/^\[ *[0-9]+s\]|^\| (wmt14|ptb_xl|wt103_xl) |^note|steps on|Error/ {print; next}
        /^\| category/ {cat = 1} cat && /^$/ {cat = 0} cat' "$LOGS/$name.log" 2>/dev/null |
