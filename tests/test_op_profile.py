@@ -430,3 +430,14 @@ def test_a_scatter_into_an_operand_moves_only_the_updated_elements():
     assert ops["in_place"].bytes == indices + updates + 2 * updates
     assert ops["plain"].bytes == indices + updates + 2 * updates
     assert ops["from_zeros"].bytes == indices + updates + array
+
+
+def test_self_times_nest_only_whole_enclosures():
+    """A kernel that starts 0.1 us before the previous one ends (timestamps' rounding) is not
+    inside it; a while thunk's body ops are, and leave the thunk its own time."""
+    events = [("gemm", 0.0, 1000.0), ("reduce", 999.9, 500.0), ("while", 2000.0, 100.0)]
+    events += [("body", 2010.0, 30.0), ("body.1", 2050.0, 40.0)]
+    own = {name: t for name, _, t, _ in op_profile._self_times(events)}
+    assert own == pytest.approx(
+        {"gemm": 1000.0, "reduce": 500.0, "while": 30.0, "body": 30.0, "body.1": 40.0}
+    )
