@@ -54,19 +54,20 @@ SIZES = {
 }
 
 
-def _packed_segments(rng, batch: int, length: int) -> np.ndarray:
-    """[B, L] ids 1..3 of three examples per row, then padding (0) over the last ~10%."""
+def packed_segments(rng, batch: int, length: int, examples: int = 3) -> np.ndarray:
+    """[B, L] ids 1..examples of that many examples per row, in order, then padding (0) over
+    the last ~10%."""
     segments = np.zeros((batch, length), np.int32)
     for row in segments:
         used = int(length * rng.uniform(0.85, 0.95))
-        cuts = np.sort(rng.choice(np.arange(2, used - 1), 2, replace=False))
+        cuts = np.sort(rng.choice(np.arange(2, used - 1), examples - 1, replace=False))
         row[:used] = 1 + np.searchsorted(cuts, np.arange(used), side="right")
     return segments
 
 
 def _translation_case(positional: str, sizes: dict, rng) -> tuple:
     b, length, vocab = sizes["batch"], sizes["length"], sizes["vocab"]
-    src_seg, tgt_seg = (_packed_segments(rng, b, length) for _ in range(2))
+    src_seg, tgt_seg = (packed_segments(rng, b, length) for _ in range(2))
     src = rng.integers(1, vocab, size=(b, length)) * (src_seg > 0)
     tgt_in = rng.integers(1, vocab, size=(b, length)) * (tgt_seg > 0)
     tgt_out = rng.integers(1, vocab, size=(b, length))

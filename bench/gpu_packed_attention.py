@@ -20,24 +20,17 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def packed_rows(rng, rows: int, length: int, pairs: int) -> tuple[np.ndarray, np.ndarray]:
-    """Segment ids [rows, length] of two sides (source, target) with `pairs` segments a row,
-    numbered 1.. in order, then padding (0) over the last ~6%; the sides' lengths differ."""
-    sides = []
-    for _ in range(2):
-        segments = np.zeros((rows, length), np.int32)
-        for row in segments:
-            used = int(length * rng.uniform(0.90, 0.98))
-            cuts = np.sort(rng.choice(np.arange(1, used), pairs - 1, replace=False))
-            row[:used] = 1 + np.searchsorted(cuts, np.arange(used), side="right")
-        sides.append(segments)
-    return sides[0], sides[1]
+from gpu_attention import packed_segments  # noqa: E402
+
+from xformer import masks  # noqa: E402
 
 
 def lengths_and_offsets(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -55,11 +48,11 @@ def lengths_and_offsets(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def segment_mask(q_segments, k_segments, causal: bool) -> np.ndarray:
-    """[B, 1, Lq, Lk] bool: same non-padding segment (and not a later position)."""
-    mask = (q_segments[:, :, None] == k_segments[:, None, :]) & (q_segments[:, :, None] > 0)
+    """[B, 1, Lq, Lk] bool: xformer's packed-row mask (and not a later position, if causal)."""
+    mask = np.asarray(masks.segment_mask(q_segments, k_segments))
     if causal:
         mask &= np.tril(np.ones((q_segments.shape[1], k_segments.shape[1]), bool))
-    return mask[:, None]
+    return mask
 
 
 def mask_from_lengths(lengths, offsets, q_len, k_lengths, k_offsets, k_len, causal):
@@ -78,7 +71,7 @@ def mask_from_lengths(lengths, offsets, q_len, k_lengths, k_offsets, k_len, caus
 
 
 def check(rng) -> None:
-    src, tgt = packed_rows(rng, 4, 64, 5)
+    src, tgt = (packed_segments(rng, 4, 64, examples=5) for _ in range(2))
     for q, k, causal in ((src, src, False), (tgt, tgt, True), (tgt, src, False)):
         qa, ka = lengths_and_offsets(q), lengths_and_offsets(k)
         built = mask_from_lengths(*qa, q.shape[1], *ka, k.shape[1], causal)
@@ -88,7 +81,7 @@ def check(rng) -> None:
 
 def timed_loss_and_grads(attention, q, k, v, g, real, repeats: int):
     """(loss, (dq, dk, dv)) of sum(attention(q, k, v) * g) over real query positions, and the
-    median ms of a jitted forward + backward; None if the call fails."""
+    median ms of a jitted forward + backward (a call cuDNN refuses raises)."""
 
     def loss(q, k, v):
         out = attention(q, k, v).astype(jnp.float32)
@@ -168,7 +161,7 @@ def main() -> None:
     device = jax.devices()[0]
     print(f"command: {command}\ndevice: {device.device_kind}, jax {jax.__version__}", flush=True)
     shape = (args.rows, args.length, args.heads, args.head_size)
-    src, tgt = packed_rows(rng, args.rows, args.length, args.pairs)
+    src, tgt = (packed_segments(rng, args.rows, args.length, args.pairs) for _ in range(2))
     rows = []
     for name, q_segments, k_segments, causal in (
         ("encoder self", src, src, False),
