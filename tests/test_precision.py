@@ -435,6 +435,61 @@ def test_cudnn_gets_head_sizes_padded_to_a_multiple_of_8(head_size, monkeypatch)
         assert_close(g, w, "bfloat16", name, tolerance=BFLOAT16_STEP)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("q_len,k_len", [(8, 8), (6, 8)])
+def test_cudnn_never_sees_a_query_that_sees_no_key(q_len, k_len, dtype, monkeypatch):
+    """Padding queries of packed rows see no key. cuDNN's backward can return NaN for such a
+    row (see attention._without_empty_rows), so the fused path hands cuDNN (a stand-in here
+    that records its mask and computes jax's XLA attention) every such row with all keys, a
+    zero query and zero bias; output and gradients (q, k, v, bias) still equal jax's call with
+    the original mask, on every row: the uniform average of the values, zero dq and dk."""
+    real = jax.nn.dot_product_attention
+    given_masks = []
+
+    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+        if implementation == "cudnn":
+            given_masks.append(np.asarray(mask))
+        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.normal(size=(2, q_len, 2, 8)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(2, k_len, 2, 8)), dtype) for _ in "kv")
+    bias = jnp.asarray(rng.normal(size=(1, 2, q_len, k_len)), dtype)
+    q_segments = jnp.asarray([[1, 1, 2, 2, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]])[:, :q_len]
+    k_segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])[:, :k_len]
+    mask = masks.segment_mask(q_segments, k_segments)
+    assert not np.asarray(mask.any(-1)).all()  # rows that see nothing are in the case
+    weights = rng.normal(size=q.shape)  # those rows' outputs count too
+
+    def grads(attention):
+        def loss(q, k, v, bias):
+            return (attention(q, k, v, bias).astype(jnp.float32) * weights).sum()
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    scale = 1 / np.sqrt(q.shape[-1])
+    want = grads(lambda *qkvb: real(*qkvb, mask, scale=scale, implementation="xla"))
+    with monkeypatch.context() as patch:
+        patch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        got = grads(
+            lambda q, k, v, bias: dot_product_attention(
+                q, k, v, mask, bias=bias, implementation="fused"
+            )
+        )
+    assert given_masks and all(m.any(-1).all() for m in given_masks)
+    for name, g, w in zip(
+        ["loss", "dq", "dk", "dv", "dbias"],
+        jax.tree.leaves(got),
+        jax.tree.leaves(want),
+        strict=True,
+    ):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        # In bfloat16, dbias may differ by a rounding step: the where broadcasts the bias over
+        # the batch, so its gradient's batch sum is rounded in another order.
+        assert_close(g, w, dtype, name, tolerance=1e-6 if dtype == "float32" else 2 * BFLOAT16_STEP)
+
+
 # Whole models: fused equals xla, bfloat16 trains like float32 -----------------------------------
 
 

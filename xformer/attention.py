@@ -79,14 +79,15 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
     backend = jax.default_backend()
     if backend == "gpu":
         try:
-            cudnn_bias = None if bias is None else bias.astype(q.dtype)
+            cudnn_q, cudnn_mask, cudnn_bias = _without_empty_rows(q, mask, bias)
+            cudnn_bias = None if cudnn_bias is None else cudnn_bias.astype(q.dtype)
             size = q.shape[-1]
-            padded = (q, k, v)
+            padded = (cudnn_q, k, v)
             if size % CUDNN_HEAD_MULTIPLE:
                 pad = [(0, 0)] * (q.ndim - 1) + [(0, -size % CUDNN_HEAD_MULTIPLE)]
                 padded = tuple(jnp.pad(x, pad) for x in padded)
             out = jax.nn.dot_product_attention(
-                *padded, cudnn_bias, mask, scale=scale, implementation="cudnn"
+                *padded, cudnn_bias, cudnn_mask, scale=scale, implementation="cudnn"
             )
             return out[..., :size]
         except (NotImplementedError, ValueError, RuntimeError, TypeError) as error:
@@ -94,6 +95,25 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
     else:
         _log_once(f"no cuDNN on {backend}: jax.nn.dot_product_attention uses its XLA path")
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="xla")
+
+
+def _without_empty_rows(q, mask, bias):
+    """(q, mask, bias) with every query row that sees no key given all keys, a zero query and
+    a zero bias: logits 0, the uniform average of the values, which is what the reference
+    computes for such a row (every logit the same fill value), with zero gradients into q, k
+    and the bias, as there. Padding queries of packed rows are such rows.
+
+    Why: cuDNN's flash-attention backward (H100, some versions) scores the padded half of its
+    last 128-key tile as 0 and returns NaN in dQ for a row whose log-sum-exp is below
+    ln(FLT_MAX) ~ -88.7 when the key count is 64 mod 128 (pytorch/pytorch#196678); a fully
+    masked row's log-sum-exp is the mask fill (about -2e12 in bfloat16), and one NaN row makes
+    every weight gradient NaN. q [B, Lq, H, D], mask [B or 1, 1 or H, Lq, Lk]."""
+    if mask is None:
+        return q, mask, bias
+    sees = jnp.any(mask, axis=-1, keepdims=True)  # [B or 1, 1 or H, Lq, 1]
+    q = jnp.where(jnp.swapaxes(sees, 1, 2), q, 0)
+    bias = None if bias is None else jnp.where(sees, bias, 0)
+    return q, mask | ~sees, bias
 
 
 class MultiHeadAttention(nnx.Module):
