@@ -103,11 +103,12 @@ def _without_empty_rows(q, mask, bias):
     computes for such a row (every logit the same fill value), with zero gradients into q, k
     and the bias, as there. Padding queries of packed rows are such rows.
 
-    Why: cuDNN's flash-attention backward (H100, some versions) scores the padded half of its
-    last 128-key tile as 0 and returns NaN in dQ for a row whose log-sum-exp is below
-    ln(FLT_MAX) ~ -88.7 when the key count is 64 mod 128 (pytorch/pytorch#196678); a fully
-    masked row's log-sum-exp is the mask fill (about -2e12 in bfloat16), and one NaN row makes
-    every weight gradient NaN. q [B, Lq, H, D], mask [B or 1, 1 or H, Lq, Lk]."""
+    Why: cuDNN's flash-attention backward is reported (pytorch/pytorch#196678; H100 and H200)
+    to score the padded half of its last 128-key tile as 0 and return NaN in dQ for a row whose
+    log-sum-exp is below ln(FLT_MAX) ~ -88.7 when the key count is 64 mod 128. A fully masked
+    row's log-sum-exp is the mask fill (about -2e12 in bfloat16), and one NaN row makes every
+    weight gradient NaN: the suspected cause of Multi30k's non-finite first step on an H100
+    (bench/gpu_empty_rows.py tests it). q [B, Lq, H, D], mask [B or 1, 1 or H, Lq, Lk]."""
     if mask is None:
         return q, mask, bias
     sees = jnp.any(mask, axis=-1, keepdims=True)  # [B or 1, 1 or H, Lq, 1]
