@@ -41,9 +41,8 @@ def gradients(attention, q, k, v, g, real) -> tuple[tuple, int]:
         out = attention(q, k, v).astype(jnp.float32)
         return jnp.sum(jnp.where(real, out * g, 0.0))
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    calls = step.lower(q, k, v).compile().as_text().count(CUDNN_CALL)
-    return step(q, k, v), calls
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    return step(q, k, v), step.as_text().count(CUDNN_CALL)
 
 
 def nonfinite(grads) -> str:
