@@ -383,6 +383,34 @@ def test_fused_attention_equals_reference_under_each_mask(kind, dtype):
         assert_close(fused_g, g, dtype, f"d{name}")
 
 
+def _fused_and_xla_gradients(stand_in, q, k, v, bias, mask, monkeypatch) -> tuple:
+    """(loss, dq, dk, dv, dbias) of sum(attention * fresh weights), twice: through the fused
+    path on a pretend GPU whose jax.nn.dot_product_attention is `stand_in`, and through jax's
+    own XLA call with the true scale."""
+    real = jax.nn.dot_product_attention
+    weights = np.random.default_rng().normal(size=q.shape)
+
+    def grads(attention):
+        def loss(q, k, v, bias):
+            return (attention(q, k, v, bias).astype(jnp.float32) * weights).sum()
+
+        return jax.tree.leaves(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
+
+    scale = 1 / np.sqrt(q.shape[-1])
+    want = grads(lambda *qkvb: real(*qkvb, mask, scale=scale, implementation="xla"))
+    with monkeypatch.context() as patch:
+        patch.setattr(jax.nn, "dot_product_attention", stand_in)
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        got = grads(
+            lambda q, k, v, bias: dot_product_attention(
+                q, k, v, mask, bias=bias, implementation="fused"
+            )
+        )
+    for name, g, w in zip(["loss", "dq", "dk", "dv", "dbias"], got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+    return got, want
+
+
 @pytest.mark.parametrize("head_size", [5, 8, 41])
 def test_cudnn_gets_head_sizes_padded_to_a_multiple_of_8(head_size, monkeypatch):
     """On a GPU, a head size cuDNN refuses (not a multiple of 8: WikiText-103's 41) is
@@ -403,32 +431,9 @@ def test_cudnn_gets_head_sizes_padded_to_a_multiple_of_8(head_size, monkeypatch)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 6, 3, head_size)), jnp.bfloat16) for _ in "qkv")
     bias = jnp.asarray(rng.normal(size=(1, 3, 6, 6)), jnp.bfloat16)
     mask = jnp.tril(jnp.ones((6, 6), bool))[None, None]
-    weights = rng.normal(size=q.shape)
-
-    def grads(attention):
-        def loss(q, k, v, bias):
-            return (attention(q, k, v, bias).astype(jnp.float32) * weights).sum()
-
-        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
-
-    scale = 1 / np.sqrt(head_size)
-    want = grads(lambda *qkvb: real(*qkvb, mask, scale=scale, implementation="xla"))
-    with monkeypatch.context() as patch:
-        patch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
-        patch.setattr(jax, "default_backend", lambda: "gpu")
-        got = grads(
-            lambda q, k, v, bias: dot_product_attention(
-                q, k, v, mask, bias=bias, implementation="fused"
-            )
-        )
+    got, want = _fused_and_xla_gradients(fake_cudnn, q, k, v, bias, mask, monkeypatch)
     assert calls and set(calls) == {-(-head_size // 8) * 8}  # cuDNN served every call
-    for name, g, w in zip(
-        ["loss", "dq", "dk", "dv", "dbias"],
-        jax.tree.leaves(got),
-        jax.tree.leaves(want),
-        strict=True,
-    ):
-        assert g.dtype == w.dtype and g.shape == w.shape, name
+    for name, g, w in zip(["loss", "dq", "dk", "dv", "dbias"], got, want, strict=True):
         # The same arithmetic, but a CPU with native bfloat16 dots (AVX512-BF16, AMX) may take
         # another kernel for the padded shape and round one bfloat16 step differently; a wrong
         # scale or nonzero padding is off by far more (the scale alone by 1 - sqrt(5/8) = 21%).
@@ -442,7 +447,8 @@ def test_cudnn_never_sees_a_query_that_sees_no_key(q_len, k_len, dtype, monkeypa
     row (see attention._without_empty_rows), so the fused path hands cuDNN (a stand-in here
     that records its mask and computes jax's XLA attention) every such row with all keys, a
     zero query and zero bias; output and gradients (q, k, v, bias) still equal jax's call with
-    the original mask, on every row: the uniform average of the values, zero dq and dk."""
+    the original mask, on every row (the weights of the loss count them too): the uniform
+    average of the values, zero dq and dk."""
     real = jax.nn.dot_product_attention
     given_masks = []
 
@@ -459,32 +465,9 @@ def test_cudnn_never_sees_a_query_that_sees_no_key(q_len, k_len, dtype, monkeypa
     k_segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])[:, :k_len]
     mask = masks.segment_mask(q_segments, k_segments)
     assert not np.asarray(mask.any(-1)).all()  # rows that see nothing are in the case
-    weights = rng.normal(size=q.shape)  # those rows' outputs count too
-
-    def grads(attention):
-        def loss(q, k, v, bias):
-            return (attention(q, k, v, bias).astype(jnp.float32) * weights).sum()
-
-        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
-
-    scale = 1 / np.sqrt(q.shape[-1])
-    want = grads(lambda *qkvb: real(*qkvb, mask, scale=scale, implementation="xla"))
-    with monkeypatch.context() as patch:
-        patch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
-        patch.setattr(jax, "default_backend", lambda: "gpu")
-        got = grads(
-            lambda q, k, v, bias: dot_product_attention(
-                q, k, v, mask, bias=bias, implementation="fused"
-            )
-        )
+    got, want = _fused_and_xla_gradients(fake_cudnn, q, k, v, bias, mask, monkeypatch)
     assert given_masks and all(m.any(-1).all() for m in given_masks)
-    for name, g, w in zip(
-        ["loss", "dq", "dk", "dv", "dbias"],
-        jax.tree.leaves(got),
-        jax.tree.leaves(want),
-        strict=True,
-    ):
-        assert g.dtype == w.dtype and g.shape == w.shape, name
+    for name, g, w in zip(["loss", "dq", "dk", "dv", "dbias"], got, want, strict=True):
         # In bfloat16, dbias may differ by a rounding step: the where broadcasts the bias over
         # the batch, so its gradient's batch sum is rounded in another order.
         assert_close(g, w, dtype, name, tolerance=1e-6 if dtype == "float32" else 2 * BFLOAT16_STEP)
