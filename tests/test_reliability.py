@@ -30,6 +30,7 @@ from test_language_modeling import ptb  # noqa: F401 (a fixture)
 
 from xformer import config as config_lib
 from xformer import experiment as experiment_lib
+from xformer import train_lib
 from xformer.preemption import EXIT_STOPPED
 from xformer.train_lib import train_step
 
@@ -180,8 +181,6 @@ def test_the_select_skips_a_step_like_the_cond(monkeypatch, tmp_path):
     """The GPU's form of the skip (a select after the update) against the CPU's (a cond around
     it, train_lib.SKIP_BY_COND): finite steps update alike (to float64 rounding: the two
     programs fuse differently), and a non-finite step leaves the state exactly as it was."""
-    from xformer import train_lib
-
     with jax.enable_x64(True):
         task = tiny_task("language_modeling", str(tmp_path), **{"train.nonfinite": "skip"})
         rng = np.random.default_rng()
@@ -250,6 +249,25 @@ def test_divergence_stops_or_skips(tmp_path, tfds_dir):
     for name, value in after_4.items():
         assert np.isfinite(value).all(), name
         np.testing.assert_array_equal(value, after_3[name], err_msg=name)
+
+
+@pytest.mark.parametrize("loss,norm", [(1234.5, np.nan), (np.inf, np.nan), (np.nan, 3.0)])
+def test_divergence_message_points_at_a_kernel_when_only_the_gradient_is_not_finite(loss, norm):
+    """The stop message gives the first bad step's values and, when its loss was finite but
+    its gradient was not (Multi30k's first step on an H100 under cuDNN attention), the way to
+    rule out the fused attention kernel; steps already checked are not counted again."""
+    steps = train_lib.NonfiniteSteps("stop", checked_through=1)
+    pending = [
+        {"nonfinite": True, "loss_sum": np.nan, "grad_norm": np.nan},  # step 1: checked before
+        {"nonfinite": False, "loss_sum": 10.0, "grad_norm": 1.0},
+        {"nonfinite": True, "loss_sum": loss, "grad_norm": norm},
+    ]
+    with pytest.raises(train_lib.DivergedError) as error:
+        steps.check(pending, step=3, last_checkpoint=2)
+    message = str(error.value)
+    assert f"at step 3 (loss sum {loss:.4g}, gradient norm {norm:.4g})" in message
+    assert "the last one kept: step 2" in message
+    assert ("attention_impl='fused'" in message) == bool(np.isfinite(loss) and np.isnan(norm))
 
 
 # The workdir's run ----------------------------------------------------------------------------

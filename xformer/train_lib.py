@@ -277,11 +277,17 @@ class NonfiniteSteps:
         values = f"loss sum {loss:.4g}, gradient norm {norm:.4g}"
         if self.mode == "stop":
             kept = "none" if last_checkpoint is None else f"step {last_checkpoint}"
+            kernel = (
+                " A finite loss with a non-finite gradient points at a backward pass kernel: "
+                "on a GPU with model.attention_impl='fused', rerun with 'xla' to compare."
+                if np.isfinite(loss) and not np.isfinite(norm)
+                else ""
+            )
             raise DivergedError(
                 f"non-finite loss or gradient at step {bad[0]} ({values}); its update was not "
                 f"applied and no checkpoint was saved after it (the last one kept: {kept}). "
                 "Lower train.learning_rate, set train.grad_clip_norm, or "
-                "train.nonfinite='skip' to go on"
+                f"train.nonfinite='skip' to go on.{kernel}"
             )
         self.total += len(bad)
         logging.warning(
