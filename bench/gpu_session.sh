@@ -156,7 +156,7 @@ step_empty_rows() {  # NaN gradients from rows that see no key, at 64 mod 128 ke
 
 step_clean() { throughput clean --configs wmt14 --impls fused; }
 step_packed_attn() {  # cuDNN on packed rows: the mask as a bias against per-segment offsets
-  run packed_attn 60 "$PY" bench/gpu_packed_attention.py
+  run packed_attn 80 "$PY" bench/gpu_packed_attention.py
   show packed_attn "^\| (encoder|decoder|cross)|Error"
 }
 step_no_triton() {  # the clean setting with every GEMM on cuBLAS (XLA may tile some in Triton)
