@@ -537,6 +537,27 @@ def test_fused_encoder_decoder_equals_xla_on_packed_rows(dtype, positional):
     _assert_models_agree(*results, dtype)
 
 
+def test_packed_rows_reach_cudnn_without_empty_rows_and_train_like_xla(monkeypatch):
+    """The whole encoder-decoder on packed rows with padding, bfloat16, on a pretend GPU whose
+    cuDNN is a stand-in (jax's XLA attention of what it is given): every attention call of
+    the three kinds takes the cuDNN branch, none is handed a query row that sees no key
+    (attention._without_empty_rows), and loss and gradients equal the XLA path's."""
+    real = jax.nn.dot_product_attention
+    served, empty_rows = [], []
+
+    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+        if implementation == "cudnn":
+            served.append(q.shape)
+            jax.debug.callback(empty_rows.append, jnp.sum(~jnp.any(mask, axis=-1)))
+        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    test_fused_encoder_decoder_equals_xla_on_packed_rows("bfloat16", "rope")
+    assert len(served) == 2 * 2 + 2  # encoder self, decoder self and cross, 2 layers each
+    assert len(empty_rows) == len(served) and not any(empty_rows)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=SLOW)])
 def test_fused_transformer_xl_equals_xla_through_the_memory(dtype):
     """Loss and gradients of a second segment attending over the first's memory."""
