@@ -142,11 +142,11 @@ def _timed(fn, args, repeats: int = 20) -> float:
     return 1e3 * statistics.median(times)
 
 
-def _flat(tree) -> np.ndarray:
+def flat_leaves(tree) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
 
 
-def _rel(x: np.ndarray, ref: np.ndarray) -> float:
+def relative_error(x: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
@@ -168,14 +168,14 @@ def check_training_case(name: str, build, loss, batch: tuple, seed: int) -> dict
         if impl == "fused":
             row["cudnn"] = compiled.as_text().count(CUDNN_CALL)
         value, grads = compiled(params, *batch)
-        results[label] = (float(value), _flat(grads))
+        results[label] = (float(value), flat_leaves(grads))
         if label != "ref":
             row[f"{label}_ms"] = _timed(compiled, (params, *batch))
     ref_loss, ref_grads = results["ref"]
     for label in ("xla", "fused"):
         value, grads = results[label]
         row[f"{label}_loss_err"] = abs(value - ref_loss) / abs(ref_loss)
-        row[f"{label}_grad_err"] = _rel(grads, ref_grads)
+        row[f"{label}_grad_err"] = relative_error(grads, ref_grads)
     row["ok"] = bool(
         np.isfinite(results["fused"][1]).all()
         and row["fused_grad_err"] <= 2 * row["xla_grad_err"] + 1e-4
@@ -212,7 +212,7 @@ def check_decode_step(sizes: dict, rng, seed: int) -> dict:
             row["cudnn"] = compiled.as_text().count(CUDNN_CALL)
         outputs[label] = np.asarray(compiled(state, src, tokens), np.float64)
     for label in ("xla", "fused"):
-        row[f"{label}_loss_err"] = _rel(outputs[label], outputs["ref"])
+        row[f"{label}_loss_err"] = relative_error(outputs[label], outputs["ref"])
         row[f"{label}_grad_err"] = float("nan")
     row["ok"] = bool(row["fused_loss_err"] <= 2 * row["xla_loss_err"] + 1e-4)
     return row

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_attention import packed_segments  # noqa: E402
+from gpu_attention import flat_leaves, packed_segments, relative_error  # noqa: E402
 
 from xformer import masks  # noqa: E402
 
@@ -102,14 +102,6 @@ def timed_loss_and_grads(attention, q, k, v, g, real, repeats: int):
     return out, 1e3 * statistics.median(times)
 
 
-def relative_error(got, want) -> float:
-    """||got - want|| / ||want|| over all gradients."""
-    got, want = (
-        jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in y[1]]) for y in (got, want)
-    )
-    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-
-
 def run_case(rng, shape, q_segments, k_segments, causal: bool, repeats: int) -> dict:
     """Reference (float32 XLA), bias (today's cuDNN call) and packed (cuDNN's segment mode)."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
@@ -148,7 +140,11 @@ def run_case(rng, shape, q_segments, k_segments, causal: bool, repeats: int) -> 
     row = {}
     for label in ("bias", "packed", "packed_all"):
         ok = label in results and "ref" in results
-        row[f"{label}_err"] = relative_error(results[label][0], results["ref"][0]) if ok else None
+        row[f"{label}_err"] = (
+            relative_error(flat_leaves(results[label][0][1]), flat_leaves(results["ref"][0][1]))
+            if ok
+            else None
+        )
         row[f"{label}_ms"] = results[label][1] if label in results else None
     return row
 
