@@ -55,6 +55,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # none and the compile fails. cuBLAS GEMMs, with the bias and activation epilogues XLA fuses
 # into them, are one of the autotuner's candidates, and every shape compiles.
 CUBLAS = "--xla_gpu_enable_triton_gemm=false"
+# The results of cuDNN's attention backward calls: (dq, dk, dv, [dbias,] workspace).
+CUDNN_BACKWARD = re.compile(r"= \(([^)]*)\) custom-call\([^\n]*__cudnn\$fmha\w*Backward")
 
 
 def compile_only_mesh(target: str):
@@ -111,6 +113,7 @@ def census(ops: list, hlo: str) -> dict:
         "copies": sum(n for _, n in copies),
         "copy_gb": sum(op.bytes * n for op, n in copies) / 1e9,
         "cudnn_attention_calls": len(re.findall(r'custom_call_target="__cudnn\$fmha', hlo)),
+        "cudnn_bias_gradients": sum(r.count("[") == 5 for r in CUDNN_BACKWARD.findall(hlo)),
     }
 
 
@@ -186,7 +189,9 @@ def main() -> None:
                     f"\n## {name} {dtype} {impl}: compiled in {seconds:.0f} s; "
                     f"{result['kernels']:,.0f} kernels {result['by_kind']}; "
                     f"{result['copies']:,.0f} copies ({result['copy_gb']:.2f} GB); "
-                    f"{result['cudnn_attention_calls']} cuDNN attention calls; step memory "
+                    f"{result['cudnn_attention_calls']} cuDNN attention calls "
+                    f"({result['cudnn_bias_gradients']} backward with a bias gradient); "
+                    f"step memory "
                     f"{result['step_gib']:.2f} GiB ({result['temp_gib']:.2f} temporaries); "
                     f"{analytic / 1e12:.2f} TFLOP analytic: MFU <= {result['mfu_bound']:.1%}\n",
                     flush=True,

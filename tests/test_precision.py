@@ -473,6 +473,48 @@ def test_cudnn_never_sees_a_query_that_sees_no_key(q_len, k_len, dtype, monkeypa
         assert_close(g, w, dtype, name, tolerance=1e-6 if dtype == "float32" else 2 * BFLOAT16_STEP)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cudnn_is_asked_for_no_gradient_of_a_mask(with_bias, monkeypatch):
+    """jax before 0.11 asks cuDNN's backward pass for the gradient of the bias a boolean mask
+    becomes (`should_export_dbias`, read when the call is traced, is always True there). For a
+    call whose only bias is the mask, the fused path has it answer False while the call is
+    traced, and restores it after; a call with a real bias keeps the gradient, which the
+    bias's own gradient needs. The stand-in for cuDNN records the answer; output and
+    gradients equal jax's XLA call."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_module
+
+    if not hasattr(cudnn_module, "should_export_dbias"):
+        pytest.skip(f"jax {jax.__version__} asks for no gradient of a mask by itself")
+    real = jax.nn.dot_product_attention
+    original = cudnn_module.should_export_dbias
+    answers = []
+
+    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+        if implementation == "cudnn":
+            answers.append(cudnn_module.should_export_dbias(q.shape, q.shape, None))
+        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 2, 8)), jnp.float32) for _ in "qkv")
+    bias = jnp.asarray(rng.normal(size=(1, 2, 8, 8)), jnp.float32) if with_bias else None
+    mask = masks.segment_mask(*[jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 2], [1] * 8])] * 2)
+    attention = functools.partial(dot_product_attention, implementation="fused")
+    with monkeypatch.context() as patch:
+        patch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        got = jax.grad(lambda q, k, v: attention(q, k, v, mask, bias=bias).sum(), (0, 1, 2))(
+            q, k, v
+        )
+    want = jax.grad(
+        lambda q, k, v: real(q, k, v, bias, mask, scale=8**-0.5, implementation="xla").sum(),
+        (0, 1, 2),
+    )(q, k, v)
+    assert answers and set(answers) == {with_bias}
+    assert cudnn_module.should_export_dbias is original
+    for name, g, w in zip(["dq", "dk", "dv"], got, want, strict=True):
+        assert_close(g, w, "float32", name, tolerance=1e-6)
+
+
 # Whole models: fused equals xla, bfloat16 trains like float32 -----------------------------------
 
 

@@ -2,7 +2,10 @@
 memory), cross-attention, and one-token steps over a key/value cache. Positional schemes act
 through rotations of q and k and a bias on the logits (see positional/base.py)."""
 
+import contextlib
 import math
+import sys
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -86,15 +89,36 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
             if size % CUDNN_HEAD_MULTIPLE:
                 pad = [(0, 0)] * (q.ndim - 1) + [(0, -size % CUDNN_HEAD_MULTIPLE)]
                 padded = tuple(jnp.pad(x, pad) for x in padded)
-            out = jax.nn.dot_product_attention(
-                *padded, cudnn_bias, cudnn_mask, scale=scale, implementation="cudnn"
-            )
+            with _no_bias_gradient_for_a_mask(cudnn_bias is None):
+                out = jax.nn.dot_product_attention(
+                    *padded, cudnn_bias, cudnn_mask, scale=scale, implementation="cudnn"
+                )
             return out[..., :size]
         except (NotImplementedError, ValueError, RuntimeError, TypeError) as error:
             _log_once(f"cuDNN flash attention cannot serve this call ({error}); using XLA")
     else:
         _log_once(f"no cuDNN on {backend}: jax.nn.dot_product_attention uses its XLA path")
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="xla")
+
+
+@contextlib.contextmanager
+def _no_bias_gradient_for_a_mask(mask_only: bool) -> Iterator[None]:
+    """While tracing a cuDNN call whose only bias is the boolean mask, stop jax before 0.11
+    from asking cuDNN's backward pass for that bias's gradient: its `should_export_dbias` is
+    always True, so every backward call also reduced dS over the heads into a [B, 1, Lq, Lk]
+    gradient that nothing reads. jax 0.11 skips it by itself (no such function there).
+    The flag is read when the call is traced, not in the backward pass (it travels in the
+    call's static arguments), so it is set only around the call."""
+    module = sys.modules.get("jax._src.cudnn.fused_attention_stablehlo")
+    export = getattr(module, "should_export_dbias", None)
+    if not mask_only or export is None:
+        yield
+        return
+    module.should_export_dbias = lambda *shapes: False
+    try:
+        yield
+    finally:
+        module.should_export_dbias = export
 
 
 def _without_empty_rows(q, mask, bias):
