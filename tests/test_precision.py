@@ -7,6 +7,7 @@ positional and masking scheme, with padding, packing, memory and cached decoding
 import dataclasses
 import functools
 import re
+import threading
 from pathlib import Path
 
 import jax
@@ -513,6 +514,38 @@ def test_cudnn_is_asked_for_no_gradient_of_a_mask(with_bias, monkeypatch):
     assert cudnn_module.should_export_dbias is original
     for name, g, w in zip(["dq", "dk", "dv"], got, want, strict=True):
         assert_close(g, w, "float32", name, tolerance=1e-6)
+
+
+def test_a_bias_gradient_is_not_lost_to_another_threads_mask_only_call(monkeypatch):
+    """While one thread traces a mask-only cuDNN call (should_export_dbias answers False), a
+    call with a real bias traced by another thread waits for it and is asked for its bias
+    gradient (the answer it records is True)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_module
+
+    if not hasattr(cudnn_module, "should_export_dbias"):
+        pytest.skip(f"jax {jax.__version__} asks for no gradient of a mask by itself")
+    real = jax.nn.dot_product_attention
+    answers, other = {}, []
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.normal(size=(1, 4, 2, 8)), jnp.float32)
+    mask = jnp.tril(jnp.ones((4, 4), bool))[None, None]
+    real_bias = jnp.asarray(rng.normal(size=(1, 2, 4, 4)), jnp.float32)
+    attend = functools.partial(dot_product_attention, q, q, q, mask, implementation="fused")
+
+    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+        kind = "mask only" if bias is None else "bias"
+        answers[kind] = cudnn_module.should_export_dbias(q.shape, q.shape, None)
+        if kind == "mask only":
+            other.append(threading.Thread(target=lambda: attend(bias=real_bias)))
+            other[0].start()
+            other[0].join(1.0)  # it cannot trace its call while this one is traced
+        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    attend()
+    other[0].join()
+    assert answers == {"mask only": False, "bias": True}
 
 
 # Whole models: fused equals xla, bfloat16 trains like float32 -----------------------------------

@@ -5,6 +5,7 @@ through rotations of q and k and a bias on the logits (see positional/base.py)."
 import contextlib
 import math
 import sys
+import threading
 from collections.abc import Iterator
 
 import jax
@@ -101,6 +102,9 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="xla")
 
 
+_CUDNN_TRACING = threading.RLock()
+
+
 @contextlib.contextmanager
 def _no_bias_gradient_for_a_mask(mask_only: bool) -> Iterator[None]:
     """While tracing a cuDNN call whose only bias is the boolean mask, stop jax before 0.11
@@ -108,17 +112,20 @@ def _no_bias_gradient_for_a_mask(mask_only: bool) -> Iterator[None]:
     always True, so every backward call also reduced dS over the heads into a [B, 1, Lq, Lk]
     gradient that nothing reads. jax 0.11 skips it by itself (no such function there).
     The flag is read when the call is traced, not in the backward pass (it travels in the
-    call's static arguments), so it is set only around the call."""
+    call's static arguments), so it is set only around the call; every cuDNN call traced here
+    takes one lock, so that another thread's call with a real bias never sees it."""
     module = sys.modules.get("jax._src.cudnn.fused_attention_stablehlo")
     export = getattr(module, "should_export_dbias", None)
-    if not mask_only or export is None:
+    if export is None:
         yield
         return
-    module.should_export_dbias = lambda *shapes: False
-    try:
-        yield
-    finally:
-        module.should_export_dbias = export
+    with _CUDNN_TRACING:
+        if mask_only:
+            module.should_export_dbias = lambda *shapes: False
+        try:
+            yield
+        finally:
+            module.should_export_dbias = export
 
 
 def _without_empty_rows(q, mask, bias):
