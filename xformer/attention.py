@@ -115,11 +115,11 @@ def _no_bias_gradient_for_a_mask(mask_only: bool) -> Iterator[None]:
     call's static arguments), so it is set only around the call; every cuDNN call traced here
     takes one lock, so that another thread's call with a real bias never sees it."""
     module = sys.modules.get("jax._src.cudnn.fused_attention_stablehlo")
-    export = getattr(module, "should_export_dbias", None)
-    if export is None:
+    if getattr(module, "should_export_dbias", None) is None:
         yield
         return
     with _CUDNN_TRACING:
+        export = module.should_export_dbias  # read under the lock: never another's patch
         if mask_only:
             module.should_export_dbias = lambda *shapes: False
         try:
