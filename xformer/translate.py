@@ -20,6 +20,7 @@ Every input line gets exactly one output line, in input order (``Translator.tran
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -47,6 +48,28 @@ class Translations:
     longest_input: int  # tokens of the longest input before any cut (EOS included)
     input_limit: int  # tokens an input is cut to (EOS included)
     hit_length_cap: int  # outputs that stopped at the decoding cap instead of at EOS
+
+
+def search(
+    model: nnx.Module,
+    src: jax.Array,
+    max_len: int,
+    beam_size: int,
+    alpha: float,
+    top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
+) -> jax.Array:
+    """The best output [B, max_len] for each row of src [B, Ls] (PAD after EOS): beam search
+    with length penalty `alpha`, or greedy search when beam_size is 1, over the model's
+    cached decoding steps; PAD and BOS are never generated."""
+    cache = model.init_decode_cache(src, max_len)
+    step_fn = ban_tokens(model.decode_step, (PAD_ID, BOS_ID))
+    b = src.shape[0]
+    if beam_size == 1:
+        return greedy_search(step_fn, cache, b, max_len, BOS_ID, EOS_ID, PAD_ID)
+    tokens, _ = beam_search(
+        step_fn, cache, b, beam_size, max_len, BOS_ID, EOS_ID, alpha, PAD_ID, top_k=top_k
+    )
+    return tokens[:, 0]
 
 
 class ProgressLog:
@@ -120,24 +143,8 @@ class Translator:
 
     def _decode_fn(self, graphdef, params, rng_state, src, max_len: int) -> jax.Array:
         model = nnx.merge(graphdef, params, rng_state)
-        cache = model.init_decode_cache(src, max_len)
-        step_fn = ban_tokens(model.decode_step, (PAD_ID, BOS_ID))
-        b = src.shape[0]
-        if self.beam_size == 1:
-            return greedy_search(step_fn, cache, b, max_len, BOS_ID, EOS_ID, PAD_ID)
-        tokens, _ = beam_search(
-            step_fn,
-            cache,
-            b,
-            self.beam_size,
-            max_len,
-            BOS_ID,
-            EOS_ID,
-            self.alpha,
-            PAD_ID,
-            top_k=sharding.row_local_top_k(self.batch_sharding.mesh),
-        )
-        return tokens[:, 0]
+        top_k = sharding.row_local_top_k(self.batch_sharding.mesh)
+        return search(model, src, max_len, self.beam_size, self.alpha, top_k)
 
     def translate(
         self, params: nnx.State, rng_state: nnx.State, lines: list[str], log_every_s: float = 0.0
