@@ -1,4 +1,7 @@
-"""Search with the real model: cached greedy = uncached greedy; beam size 1 = greedy."""
+"""Search with the real model: cached greedy = uncached greedy; beam size 1 = greedy; the
+beam search loop never copies the cross-attention cache."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -81,3 +84,61 @@ def test_beam_size_one_equals_greedy():
         pad_id=PAD_ID,
     )
     np.testing.assert_array_equal(beam[:, 0], greedy)
+
+
+def test_beam_search_equals_one_that_reorders_every_cache_leaf():
+    """Beam search keeps the leaves the step returns unchanged (the cross-attention cache) as
+    they are; a step that returns them as new arrays has them reordered like the rest."""
+    rng = np.random.default_rng()
+    model, src = _model(int(rng.integers(1e6))), _src(rng)
+
+    def copying_step(tokens, cache, index):
+        log_probs, cache = model.decode_step(tokens, cache, index)
+        return log_probs, {**cache, "cross": jax.tree.map(jnp.copy, cache["cross"])}
+
+    results = [
+        beam_search(step, model.init_decode_cache(src, 10), 4, 3, 10, BOS_ID, EOS_ID)
+        for step in (model.decode_step, copying_step)
+    ]
+    for kept, reordered in zip(*results, strict=True):
+        np.testing.assert_array_equal(kept, reordered)
+
+
+def _loop_body_ops(hlo: str) -> list[tuple[str, str]]:
+    """(opcode, output shape) of every instruction in the bodies of the while loops of an
+    optimized HLO module's text."""
+    bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.-]+)", hlo))
+    ops, current = [], None
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY )?%?([\w.-]+) \(.*\{$", line)
+        if header:
+            current = header.group(1)
+        elif current in bodies and (op := re.match(r"\s+(?:ROOT )?%?\S+ = (\S+) (\S+?)\(", line)):
+            ops.append((op.group(2), op.group(1)))
+    return ops
+
+
+def test_beam_search_loop_reads_the_cross_attention_cache_in_place():
+    """The encoder's keys and values [B * beam, H, Ls, D] are the same in every beam of a row and
+    at every step: the compiled loop neither reorders them by beam nor transposes them (in
+    [B, Ls, H, D], XLA on CPU transposed both of every layer at every step). Ls = 7 and D = 8
+    appear together in no other array of the loop."""
+    rng = np.random.default_rng()
+    model, src = _model(int(rng.integers(1e6))), _src(rng)
+    graphdef, state = nnx.split(model)
+
+    def search(state, src):
+        model = nnx.merge(graphdef, state)
+        cache = model.init_decode_cache(src, 10)
+        return beam_search(model.decode_step, cache, 4, 3, 10, BOS_ID, EOS_ID)
+
+    hlo = jax.jit(search).lower(state, src).compile().as_text()
+    ops = _loop_body_ops(hlo)
+    assert any(opcode == "dot" or opcode == "fusion" for opcode, _ in ops)  # the loop was found
+    moves = [
+        (opcode, shape)
+        for opcode, shape in ops
+        if opcode not in ("parameter", "get-tuple-element", "tuple", "bitcast", "dot")
+        and {"7", "8"} <= set(re.findall(r"\d+", shape.split("{")[0]))
+    ]
+    assert moves == []

@@ -185,8 +185,20 @@ class MultiHeadAttention(nnx.Module):
         return [x[..., i, :, :] for i in range(n)]
 
     def project_kv(self, states: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Keys and values [B, L, H, D] of states [B, L, d] (cross-attention: once per input)."""
+        """Keys and values [B, L, H, D] of states [B, L, d]."""
         return tuple(self._heads(self.kv_proj(states), 2))
+
+    def init_cross_cache(self, encoded: jax.Array) -> dict:
+        """Cross-attention's keys and values of encoded [B, Ls, d] for decoding, computed once
+        per input: {"k", "v"} [B, H, Ls, D], head-major like `init_cache` (for the same reason:
+        in [B, Ls, H, D], XLA on CPU transposed them at every step)."""
+        k, v = self.project_kv(encoded)
+        return {"k": k.swapaxes(1, 2), "v": v.swapaxes(1, 2)}
+
+    @staticmethod
+    def cached_kv(cache: dict) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [B, slots, H, D] of a head-major cache, read in place."""
+        return cache["k"].swapaxes(1, 2), cache["v"].swapaxes(1, 2)
 
     def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         if self.kind == "self":
@@ -207,7 +219,7 @@ class MultiHeadAttention(nnx.Module):
         """x [B, Lq, d] -> [B, Lq, d]; mask [B or 1, 1, Lq, Lk].
 
         Self-attention: keys are x, or [memory ; x] with memory [B, Lm, d] (kind "memory").
-        Cross-attention: keys from encoded [B, Lk, d] or their precomputed kv.
+        Cross-attention: keys from encoded [B, Lk, d] or their precomputed kv ([B, Lk, H, D]).
         """
         if self.kind == "cross":
             q = self._heads(self.q_proj(x), 1)[0]
@@ -267,7 +279,7 @@ class MultiHeadAttention(nnx.Module):
         q, k, v = self._qkv(x)
         q, k = (positional.scheme.rotate(t, index) for t in (q, k))
         cache = self.write_cache(cache, k, v, index)
-        keys, values = (cache[name].swapaxes(1, 2) for name in ("k", "v"))  # [B, max_len, H, D]
+        keys, values = self.cached_kv(cache)
         return self._attend(q, keys, values, mask, positional, layer), cache
 
 

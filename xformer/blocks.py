@@ -150,20 +150,19 @@ class DecoderBlock(nnx.Module):
         positional: BoundScheme,
         layer: int,
         *,
-        encoded: jax.Array | None = None,
-        cross_kv: tuple[jax.Array, jax.Array] | None = None,
+        encoded: jax.Array,
     ) -> jax.Array:
-        """x [B, Lt, d], encoded [B, Ls, d] (or its precomputed cross_kv) -> [B, Lt, d]."""
+        """x [B, Lt, d], encoded [B, Ls, d] -> [B, Lt, d]."""
         x = self.self_res(
             x, lambda h: self.self_attn(h, self_mask, positional=positional, layer=layer)
         )
-        x = self.cross_res(
-            x, lambda h: self.cross_attn(h, cross_mask, encoded=encoded, kv=cross_kv)
-        )
+        x = self.cross_res(x, lambda h: self.cross_attn(h, cross_mask, encoded=encoded))
         return self.ffn_res(x, self.ffn)
 
-    def decode_step(self, x, cache, index, self_mask, cross_mask, cross_kv, positional, layer):
-        """Incremental version of __call__ for x [B, 1, d]; returns (out, new self-attn cache)."""
+    def decode_step(self, x, cache, index, self_mask, cross_mask, cross_cache, positional, layer):
+        """Incremental version of __call__ for x [B, 1, d], with the self-attention cache and
+        the cross-attention's (`init_cross_cache`); returns (out, new self-attention cache)."""
+        cross_kv = self.cross_attn.cached_kv(cross_cache)
         new_cache = {}
 
         def attend(h):

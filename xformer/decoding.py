@@ -8,7 +8,9 @@ closed over). The model is abstracted as a pure step function::
 
 * ``tokens``: ``[N] int32``, the previous token of every row (``bos_id`` at index 0).
 * ``cache``: any pytree (e.g. key/value caches) whose array leaves have leading dim ``N``;
-  scalar (0-d) leaves are allowed and are passed through untouched by beam reordering.
+  scalar (0-d) leaves are allowed and are passed through untouched by beam reordering, and
+  so are the leaves that ``step_fn`` returns unchanged (the same array, e.g. an encoder's
+  keys and values): they hold the same values in every beam of a row.
   ``new_cache`` must have the same structure, shapes and dtypes.
 * ``index``: scalar ``int32``, the position being decoded (0 for the first output token).
 * ``log_probs``: ``[N, V]``, normalised log-probabilities (all ``<= 0``) of the token at
@@ -23,7 +25,8 @@ Beam search semantics (per batch row, ``k = beam_size``):
 * Each step ranks the ``2k`` best one-token extensions of the alive hypotheses. An EOS
   extension is finished if it ranks among the ``k`` best of them (as in a plain top-``k``
   beam search); the ``k`` best non-EOS extensions (there are always at least ``k`` of the
-  ``2k``) become the new alive set, and the cache is gathered by their parent beams.
+  ``2k``) become the new alive set, and the cache is gathered by their parent beams
+  (except the leaves the step returns unchanged, which are the same in every beam).
 * Alive hypotheses still alive at ``max_len`` are finished with ``L = max_len``, so every
   row returns ``k`` real hypotheses unless there are fewer than ``k`` possible sequences.
 * A row stops once no alive hypothesis can beat its worst finished one. Extending a
@@ -69,12 +72,17 @@ def expand_to_beams(tree: Cache, beam_size: int) -> Cache:
     return jax.tree.map(expand, tree)
 
 
-def gather_beams(tree: Cache, parent: jax.Array) -> Cache:
+def gather_beams(tree: Cache, parent: jax.Array, *, unchanged_since: Cache = None) -> Cache:
     """Reorder a flattened beam cache by parent beam.
 
     Args:
       tree: pytree with leaves ``[B * beam, ...]`` (row ``b * beam + j``); scalars are kept.
       parent: ``[B, n] int32``, beam index (in ``[0, beam)``) each new row is copied from.
+      unchanged_since: the cache the step function was given, or None. A leaf of ``tree``
+        that is the very same array as its counterpart here was passed through by the step
+        (e.g. the encoder's keys and values for cross-attention). It is kept as it is: it
+        started as ``beam`` copies of each row (:func:`expand_to_beams`) and no step changes
+        it, so reordering a row's beams cannot change it either. Requires ``n == beam``.
 
     Returns:
       The pytree with leaves ``[B * n, ...]``; new row ``b * n + i`` is old row
@@ -82,14 +90,18 @@ def gather_beams(tree: Cache, parent: jax.Array) -> Cache:
     """
     batch_size, n = parent.shape
 
-    def gather(x: Any) -> Any:
+    def gather(x: Any, before: Any = None) -> Any:
+        if x is before:
+            return x
         x = jnp.asarray(x)
         if x.ndim == 0:
             return x
         rows = _take(x.reshape(batch_size, -1, *x.shape[1:]), parent)
         return rows.reshape(batch_size * n, *x.shape[1:])
 
-    return jax.tree.map(gather, tree)
+    if unchanged_since is None:
+        return jax.tree.map(gather, tree)
+    return jax.tree.map(gather, tree, unchanged_since)
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -209,7 +221,7 @@ def beam_search(
 
     def body(state):
         t, last, alive_seqs, alive_scores, fin_seqs, fin_scores, done, cache = state
-        log_probs, cache = step_fn(last.reshape(B * K), cache, t)
+        log_probs, stepped = step_fn(last.reshape(B * K), cache, t)
         V = log_probs.shape[-1]
         log_probs = jnp.maximum(log_probs.astype(jnp.float32), NEG_INF).reshape(B, K, V)
 
@@ -236,7 +248,7 @@ def beam_search(
         last = _take(cand_tok, alive_idx)
         parent = _take(cand_parent, alive_idx)
         alive_seqs = _take(alive_seqs, parent).at[:, :, t].set(last)
-        cache = gather_beams(cache, parent)
+        cache = gather_beams(stepped, parent, unchanged_since=cache)
 
         # At the last position, hypotheses that are still alive count as finished.
         final_ok = (t == T - 1) & (alive_scores > _INVALID) & ~done[:, None]

@@ -141,7 +141,8 @@ class EncoderDecoder(nnx.Module):
 
         Returns a pytree whose leaves all have leading dim B (so search can reorder beams):
         "self": per layer {"k", "v"} [B, H, max_len, D] (MultiHeadAttention.init_cache);
-        "cross": per layer (k, v) [B, Ls, H, D]; "src_valid" [B, Ls].
+        "cross": per layer {"k", "v"} [B, H, Ls, D] (MultiHeadAttention.init_cross_cache);
+        "src_valid" [B, Ls].
         """
         self.tgt_positional.check_length(max_len)
         segments = masks.segments_from_tokens(src)
@@ -151,7 +152,7 @@ class EncoderDecoder(nnx.Module):
             "self": [
                 layer.self_attn.init_cache(b, max_len, encoded.dtype) for layer in self.decoder
             ],
-            "cross": [layer.cross_attn.project_kv(encoded) for layer in self.decoder],
+            "cross": [layer.cross_attn.init_cross_cache(encoded) for layer in self.decoder],
             "src_valid": segments > 0,
         }
 
