@@ -6,8 +6,10 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
+from xformer import translate
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from xformer.decoding import ban_tokens, beam_search, greedy_search
 from xformer.models import EncoderDecoder, TransformerConfig
@@ -118,19 +120,19 @@ def _loop_body_ops(hlo: str) -> list[tuple[str, str]]:
     return ops
 
 
-def test_beam_search_loop_reads_the_cross_attention_cache_in_place():
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_search_loop_reads_the_cross_attention_cache_in_place(beam_size):
     """The encoder's keys and values [B * beam, H, Ls, D] are the same in every beam of a row and
-    at every step: the compiled loop neither reorders them by beam nor transposes them (in
-    [B, Ls, H, D], XLA on CPU transposed both of every layer at every step). Ls = 7 and D = 8
-    appear together in no other array of the loop."""
+    at every step: the compiled loop of eval.py's search (greedy or beam) neither reorders them
+    by beam nor transposes them (stored [B, Ls, H, D], or with XLA free to cancel the transposes
+    in and out of [B, H, Ls, D], it transposed every layer's at every step on CPU). Ls = 7 and
+    D = 8 appear together in no other array of the loop."""
     rng = np.random.default_rng()
     model, src = _model(int(rng.integers(1e6))), _src(rng)
     graphdef, state = nnx.split(model)
 
     def search(state, src):
-        model = nnx.merge(graphdef, state)
-        cache = model.init_decode_cache(src, 10)
-        return beam_search(model.decode_step, cache, 4, 3, 10, BOS_ID, EOS_ID)
+        return translate.search(nnx.merge(graphdef, state), src, 10, beam_size, alpha=0.6)
 
     hlo = jax.jit(search).lower(state, src).compile().as_text()
     ops = _loop_body_ops(hlo)

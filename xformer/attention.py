@@ -193,7 +193,8 @@ class MultiHeadAttention(nnx.Module):
         per input: {"k", "v"} [B, H, Ls, D], head-major like `init_cache` (for the same reason:
         in [B, Ls, H, D], XLA on CPU transposed them at every step)."""
         k, v = self.project_kv(encoded)
-        return {"k": k.swapaxes(1, 2), "v": v.swapaxes(1, 2)}
+        # The barrier keeps XLA from cancelling this transpose against `cached_kv`'s.
+        return jax.lax.optimization_barrier({"k": k.swapaxes(1, 2), "v": v.swapaxes(1, 2)})
 
     @staticmethod
     def cached_kv(cache: dict) -> tuple[jax.Array, jax.Array]:
