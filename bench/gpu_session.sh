@@ -29,6 +29,7 @@
 #   ceilings    bf16 8192^3 matmul and device copy (bench/matmul_ceiling.py)
 #   prof_xla    wmt14 bf16 with XLA's attention, traced
 #   remat       wmt14 bf16 fused, model.remat=full and dots: step time and peak memory
+#   translate   bench/translate_speed.py: eval.py's beam and greedy search, Transformer base
 #   (mt_ptb runs mt and ptb at once, each process taking GPU memory as it needs it)
 # `bash bench/gpu_session.sh STEP...` runs only those steps. Everything is written under
 # $WORK/out; $OUT (the device's return folder, at most 8 files; default workdirs/gpu_session)
@@ -175,6 +176,13 @@ step_ceilings() {
   show ceilings 'GFLOP|GB/s'
 }
 
+step_translate() {  # eval.py's beam and greedy search with the base model (random weights)
+  local size=(--config=configs/wmt14_ende.py --vocab_size=32000)
+  [[ "${QUICK:-0}" == 1 ]] && size=(--batch_size 4 --src_len 8 --repeats 1)
+  run translate 60 "$PY" bench/translate_speed.py "${size[@]}" --output="$LOGS/translate.json"
+  show translate "^\| (beam|greedy)|Error"
+}
+
 step_remat() {
   local remat
   for remat in full dots; do  # none: the clean step
@@ -185,11 +193,11 @@ step_remat() {
 steps=("$@")
 ((${#steps[@]})) && [[ "${steps[0]}" != all ]] ||
   steps=(facts empty_rows mt mt_bisect clean prof_fused packed_attn ptb no_triton prof_xl ceilings
-    prof_xla remat)
+    prof_xla remat translate)
 for name in "${steps[@]}"; do
   if ! declare -F "step_$name" >/dev/null; then
     echo "unknown step '$name'; steps: facts empty_rows mt mt_bisect clean prof_fused packed_attn"\
-    "ptb no_triton prof_xl ceilings prof_xla remat mt_ptb" >&2
+    "ptb no_triton prof_xl ceilings prof_xla remat translate mt_ptb" >&2
     exit 2
   fi
 done
