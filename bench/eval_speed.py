@@ -49,10 +49,12 @@ from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench_output import finish  # noqa: E402
+
 from xformer.data.lm_stream import eval_segments, sliding_windows  # noqa: E402
 from xformer.language_model import LanguageModel  # noqa: E402
 from xformer.model_config import from_config  # noqa: E402
-from xformer.provenance import machine_string  # noqa: E402
 from xformer.tasks.language_modeling import eval_step  # noqa: E402
 
 PAPER_SPEEDUP = {3800: 1874, 2800: 1409, 1800: 773, 800: 363}  # Dai et al. (2019), Table 9
@@ -251,15 +253,8 @@ def main() -> None:
         "tokens": source,
         "batch_size": args.batch_size,
         "repeats": args.repeats,
-        "device": machine_string(),
-        "jax": jax.__version__,
-        "command": " ".join(["python", "bench/eval_speed.py", *sys.argv[1:]]),
     }
-    print(json.dumps(summary, indent=2))
-    output = os.path.join(ROOT, args.output)
-    os.makedirs(os.path.dirname(output), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump(summary, f, indent=2)
+    finish(summary, args.output)
 
 
 if __name__ == "__main__":

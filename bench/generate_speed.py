@@ -27,7 +27,6 @@ figure, the device and the exact command; the JSON also goes to --output.
 import argparse
 import dataclasses
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -40,13 +39,12 @@ from flax import nnx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench_output import finish  # noqa: E402
 from matmul_ceiling import matmul_gflops  # noqa: E402
 
-from xformer.files import write_json  # noqa: E402
 from xformer.generate import Sampling, make_generator  # noqa: E402
 from xformer.language_model import LanguageModel  # noqa: E402
 from xformer.model_config import from_config  # noqa: E402
-from xformer.provenance import machine_string  # noqa: E402
 
 PTB_VOCAB = 10_000
 
@@ -191,14 +189,8 @@ def main() -> None:
         },
         "repeats": args.repeats,
         "matmul_ceiling_gflops_before_after": [round(ceiling_before, 1), round(ceiling_after, 1)],
-        "device": machine_string(),
-        "jax": jax.__version__,
-        "command": " ".join(["python", "bench/generate_speed.py", *sys.argv[1:]]),
     }
-    print(json.dumps(summary, indent=2))
-    output = os.path.join(ROOT, args.output)
-    os.makedirs(os.path.dirname(output), exist_ok=True)
-    write_json(output, summary)
+    finish(summary, args.output)
 
 
 if __name__ == "__main__":

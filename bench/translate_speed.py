@@ -19,7 +19,6 @@ the device and the exact command; the JSON also goes to --output.
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -32,14 +31,13 @@ from flax import nnx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench_output import finish  # noqa: E402
 from generate_speed import load_config  # noqa: E402
 from matmul_ceiling import matmul_gflops  # noqa: E402
 
 from xformer.data.tokenizer import EOS_ID  # noqa: E402
-from xformer.files import write_json  # noqa: E402
 from xformer.model_config import from_config  # noqa: E402
 from xformer.models import EncoderDecoder  # noqa: E402
-from xformer.provenance import machine_string  # noqa: E402
 from xformer.translate import search  # noqa: E402
 
 
@@ -119,14 +117,8 @@ def main() -> None:
         "model": {**dataclasses.asdict(cfg), "parameters": "random (untrained)"},
         "repeats": args.repeats,
         "matmul_ceiling_gflops_before_after": [round(ceiling_before, 1), round(ceiling_after, 1)],
-        "device": machine_string(),
-        "jax": jax.__version__,
-        "command": " ".join(["python", "bench/translate_speed.py", *sys.argv[1:]]),
     }
-    print(json.dumps(summary, indent=2))
-    output = os.path.join(ROOT, args.output)
-    os.makedirs(os.path.dirname(output), exist_ok=True)
-    write_json(output, summary)
+    finish(summary, args.output)
 
 
 if __name__ == "__main__":
