@@ -197,9 +197,10 @@ def allowed_probs(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
         Sampling(top_p=1e-4),  # only the most likely token
     ],
 )
-def test_top_k_top_p_draw_only_from_the_allowed_set(sampling):
+@pytest.mark.parametrize("vocab", [40, 300])  # one block; three of 128, the last padded
+def test_top_k_top_p_draw_only_from_the_allowed_set(sampling, vocab):
     rng = np.random.default_rng()
-    logits = (rng.normal(size=(3, 40)) * 2.5).astype(np.float32)
+    logits = (rng.normal(size=(3, vocab)) * 2.5).astype(np.float32)
     expected = allowed_probs(logits, sampling)
     filtered = jax.nn.softmax(filter_logits(jnp.asarray(logits), sampling), axis=-1)
     np.testing.assert_allclose(np.asarray(filtered), expected, atol=1e-6)

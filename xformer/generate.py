@@ -70,11 +70,33 @@ def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     return logits
 
 
+SAMPLING_BLOCK = 128  # vocabulary entries per block of `sample_tokens`' first draw
+
+
 def sample_tokens(key: jax.Array, log_probs: jax.Array, sampling: Sampling) -> jax.Array:
-    """One token per row [B] int32 from log_probs [B, V] (argmax at temperature 0)."""
+    """One token per row [B] int32 from log_probs [B, V] (argmax at temperature 0).
+
+    Two exact Gumbel-max draws: a block of SAMPLING_BLOCK entries with probability its mass
+    (over the blocks' log-sum-exps), then an entry of that block (over its logits). The same
+    distribution as one draw over all V entries, from V / 128 + 128 random numbers a row
+    instead of V (on CPU, threefry bits for every entry took 1.7 ms a draw of [8, 10000]).
+    """
     if sampling.temperature == 0:
         return jnp.argmax(log_probs, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filter_logits(log_probs, sampling)).astype(jnp.int32)
+    logits = filter_logits(log_probs, sampling)
+    rows, vocab = logits.shape
+    num_blocks = -(-vocab // SAMPLING_BLOCK)
+    if num_blocks == 1:
+        return jax.random.categorical(key, logits).astype(jnp.int32)
+    padded = jnp.pad(
+        logits, ((0, 0), (0, num_blocks * SAMPLING_BLOCK - vocab)), constant_values=-jnp.inf
+    )
+    blocks = padded.reshape(rows, num_blocks, SAMPLING_BLOCK)
+    block_key, entry_key = jax.random.split(key)
+    block = jax.random.categorical(block_key, jax.nn.logsumexp(blocks, axis=-1))  # [B]
+    chosen = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, 128]
+    entry = jax.random.categorical(entry_key, chosen)
+    return (block * SAMPLING_BLOCK + entry).astype(jnp.int32)
 
 
 class Generation(NamedTuple):
