@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from xformer import adaptive
+from xformer import adaptive, losses
 from xformer.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax, ClusterLayout
 
 V = 50
@@ -113,8 +113,10 @@ def test_head_rows_padded_to_a_multiple_of_8_score_nothing(cutoffs, width, monke
             np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("form", ["cpu", "other"])  # losses.log_softmax_at's two forms
 @pytest.mark.parametrize("div_val", [1, 2, 4])
-def test_nll_equals_gathered_log_probs(div_val):
+def test_nll_equals_gathered_log_probs(div_val, form, use_form):
+    use_form(losses, form)
     sm = _softmax_module(64, 48, CUTOFFS, div_val)
     h, t = jnp.asarray(_hidden(48)), jnp.asarray(_targets(CUTOFFS))
 

@@ -1,6 +1,6 @@
-"""cross_entropy (custom VJP) against independent numpy formulas: values, gradients, dtypes;
-every test runs both forms of its row statistics (XLA:CPU's passes that keep exp(z), and the
-one-pass online reduction of the other backends)."""
+"""cross_entropy and log_softmax_at (custom VJPs) against independent numpy formulas: values,
+gradients, dtypes; every test runs both forms of their row statistics (XLA:CPU's passes that
+keep exp(z), and the one-pass online reduction of the other backends)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from xformer import losses
-from xformer.losses import cross_entropy
+from xformer.losses import cross_entropy, log_softmax_at
 
 
 @pytest.fixture(autouse=True, params=["cpu", "other"])
@@ -136,3 +136,64 @@ def test_tied_maxima_and_minus_infinity_logits():
     np.testing.assert_allclose(got, (nll, nll), rtol=1e-12)
     np.testing.assert_allclose(d, d_loss, rtol=1e-10, atol=1e-14)
     assert np.all(np.asarray(d)[banned] == 0.0)
+
+
+def log_softmax_at_reference(logits, index, g):
+    """(log p[index] [...], d sum(g * log p[index]) / d logits [..., V]) in float64."""
+    x = np.asarray(logits, np.float64)
+    with np.errstate(divide="ignore"):  # -inf logits: p = 0, log p = -inf
+        log_p = x - x.max(-1, keepdims=True)
+        log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    onehot = np.eye(x.shape[-1])[index]
+    value = np.take_along_axis(log_p, np.asarray(index)[..., None], -1)[..., 0]
+    return value, np.asarray(g)[..., None] * (onehot - np.exp(log_p))
+
+
+def _log_softmax_at_and_gradient(x, index, g):
+    value, vjp = jax.vjp(lambda x: log_softmax_at(x, index), x)
+    return value, vjp(g)[0]
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4)])
+def test_log_softmax_at_matches_numpy(shape):
+    rng = np.random.default_rng()
+    vocab = int(rng.integers(5, 300))
+    logits, index, _ = random_inputs(rng, shape, vocab)
+    g = rng.standard_normal(shape)
+    value, grad = log_softmax_at_reference(logits, index, g)
+    x, i, g32 = jnp.asarray(logits, jnp.float32), jnp.asarray(index), jnp.asarray(g, jnp.float32)
+    got, d = jax.jit(_log_softmax_at_and_gradient)(x, i, g32)
+    assert got.shape == shape and got.dtype == d.dtype == jnp.float32
+    np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d, grad, rtol=1e-4, atol=1e-6)
+
+
+def test_log_softmax_at_in_float64_to_1e12_with_ties_and_minus_infinity():
+    """Integer logits (tied maxima) and -inf entries (probability 0, gradient 0)."""
+    rng = np.random.default_rng()
+    logits = rng.integers(-2, 3, (6, 40)).astype(np.float64)
+    logits[:3] += rng.standard_normal((3, 40)) * 10.0
+    index = rng.integers(0, 40, 6)
+    banned = rng.random(logits.shape) < 0.2
+    banned[np.arange(6), index] = False
+    logits[banned] = -np.inf
+    g = rng.standard_normal(6)
+    value, grad = log_softmax_at_reference(logits, index, g)
+    with jax.enable_x64(True):
+        got, d = jax.jit(_log_softmax_at_and_gradient)(*map(jnp.asarray, (logits, index, g)))
+        assert got.dtype == d.dtype == jnp.float64
+    np.testing.assert_allclose(got, value, rtol=1e-12)
+    np.testing.assert_allclose(d, grad, rtol=1e-10, atol=1e-14)
+    assert np.all(np.asarray(d)[banned] == 0.0)
+
+
+def test_log_softmax_at_of_bfloat16_logits_is_float32_with_a_bfloat16_gradient():
+    rng = np.random.default_rng()
+    logits, index, _ = random_inputs(rng, (3, 4), 17)
+    x16 = jnp.asarray(logits, jnp.bfloat16)
+    g = rng.standard_normal((3, 4))
+    value, grad = log_softmax_at_reference(np.asarray(x16, np.float64), index, g)
+    got, d = _log_softmax_at_and_gradient(x16, jnp.asarray(index), jnp.asarray(g, jnp.float32))
+    assert got.dtype == jnp.float32 and d.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got, value, rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(d, np.float64), grad, rtol=2e-2, atol=2e-3)

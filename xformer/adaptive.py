@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xformer import precision
+from xformer.losses import log_softmax_at
 from xformer.sharding import logical
 
 INIT = nnx.initializers.normal(0.02)
@@ -225,17 +226,19 @@ class AdaptiveLogSoftmax(nnx.Module):
         h, t = hidden.reshape(-1, d).astype(dtype), targets.reshape(-1)
         n = t.shape[0]
         cap = min(n, max(1, math.ceil(round(self.capacity * n, 6)))) if self.capacity else 0
-        head = jax.nn.log_softmax(_logits(h, *self._cluster(0, dtype, acc)))
         shortlist = self.layout.clusters[0][1]
-        logp = _gather(head, jnp.clip(t, 0, shortlist - 1))
+        head_index, tails = jnp.clip(t, 0, shortlist - 1), []
         for i, (start, end) in enumerate(self.layout.clusters[1:], start=1):
             local, member = jnp.clip(t - start, 0, end - start - 1), (t >= start) & (t < end)
+            head_index = jnp.where(member, shortlist + i - 1, head_index)  # the cluster's logit
             w, b, proj = self._cluster(i, dtype, acc)
             if cap:
-                tail = _sparse_tail_logp(cap, h, w, b, proj, local, member)
+                tails.append(_sparse_tail_logp(cap, h, w, b, proj, local, member))
             else:
-                tail = _dense_tail_logp(h, w, b, proj, local, member)
-            logp = jnp.where(member, head[:, shortlist + i - 1] + tail, logp)
+                tails.append(_dense_tail_logp(h, w, b, proj, local, member))
+        logp = log_softmax_at(_logits(h, *self._cluster(0, dtype, acc)), head_index)
+        for tail in tails:  # 0 outside its cluster
+            logp = logp + tail
         return -logp.reshape(shape)
 
 
@@ -270,7 +273,7 @@ def _logits(h: jax.Array, w: jax.Array, b: jax.Array, proj: jax.Array | None) ->
 
 def _dense_tail_logp(h, w, b, proj, local, member) -> jax.Array:
     """Every row [N, d]: log p(local target | cluster) [N] where `member`, else 0."""
-    return jnp.where(member, _gather(jax.nn.log_softmax(_logits(h, w, b, proj)), local), 0.0)
+    return jnp.where(member, log_softmax_at(_logits(h, w, b, proj), local), 0.0)
 
 
 def _compact(

@@ -61,19 +61,20 @@ def _online_max_and_sums(a: tuple, b: tuple) -> tuple:
 
 
 def _row_statistics(x: jax.Array) -> tuple:
-    """x [..., V] -> (max, sum exp(x - max), sum x) each [...], and exp(x - max) or None."""
+    """x [..., V] -> (max, sum exp(x - max), sum x) each [...], and what the backward pass
+    keeps to get exp(x - max) back (`_exp_z`): (exp(x - max), None) or (x, max)."""
     if jax.default_backend() in CPU_FORM_PLATFORMS:
         top = x.max(-1)
         exp_z = jnp.exp(x - top[..., None])
-        return top, exp_z.sum(-1), x.sum(-1), exp_z
+        return top, exp_z.sum(-1), x.sum(-1), (exp_z, None)
     start = (jnp.array(-jnp.inf, x.dtype), jnp.array(0, x.dtype), jnp.array(0, x.dtype))
     stats = jax.lax.reduce((x, jnp.ones_like(x), x), start, _online_max_and_sums, (x.ndim - 1,))
-    return (*stats, None)
+    return (*stats, (x, stats[0]))
 
 
 def _forward(x, targets, weights, label_smoothing):
     conf, low, entropy = _smoothing(x.shape[-1], label_smoothing)
-    top, total, x_sum, exp_z = _row_statistics(x)
+    top, total, x_sum, kept = _row_statistics(x)
     lse = jnp.log(total)
     z_target = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - top
     nll = lse - z_target
@@ -83,26 +84,68 @@ def _forward(x, targets, weights, label_smoothing):
     else:
         loss = nll
     sums = ((loss * weights).sum(), (nll * weights).sum())
-    kept = (exp_z, None) if exp_z is not None else (x, top)
     return sums, (*kept, total, targets, weights, loss, nll)
 
 
 def _backward(label_smoothing, residuals, cotangents):
-    exp_z, top, total, targets, weights, loss, nll = residuals  # exp_z, or x with its max
-    exp_z = exp_z if top is None else jnp.exp(exp_z - top[..., None])
+    *kept, total, targets, weights, loss, nll = residuals
+    exp_z = _exp_z(*kept)
     d_loss, d_nll = cotangents
     conf, low, _ = _smoothing(exp_z.shape[-1], label_smoothing)
     g_loss, g_nll = d_loss * weights, d_nll * weights
     # d/dx of sum_j -q_j log p_j is p - q, with q = low + (conf - low) [j = target].
-    is_target = jax.lax.broadcasted_iota(targets.dtype, exp_z.shape, exp_z.ndim - 1)
-    is_target = is_target == targets[..., None]
-    on_target = (g_loss * (conf - low) + g_nll)[..., None]
-    d_logits = (
-        ((g_loss + g_nll) / total)[..., None] * exp_z  # (g_loss + g_nll) * softmax
-        - (g_loss * low)[..., None]
-        - jnp.where(is_target, on_target, 0.0)
+    d_logits = _softmax_minus_target(
+        exp_z, total, targets, g_loss + g_nll, g_loss * (conf - low) + g_nll, g_loss * low
     )
     return d_logits, None, d_loss * loss + d_nll * nll
 
 
+def _exp_z(exp_z_or_x: jax.Array, top: jax.Array | None) -> jax.Array:
+    """exp(x - max) [..., V]: kept by the forward pass (top None), or recomputed from x."""
+    return exp_z_or_x if top is None else jnp.exp(exp_z_or_x - top[..., None])
+
+
+def _softmax_minus_target(exp_z, total, targets, scale, on_target, uniform=None) -> jax.Array:
+    """scale * softmax - on_target * onehot(targets) - uniform, [..., V] in one elementwise pass;
+    softmax = exp_z / total, the other arguments [...]."""
+    is_target = jax.lax.broadcasted_iota(targets.dtype, exp_z.shape, exp_z.ndim - 1)
+    is_target = is_target == targets[..., None]
+    d = (scale / total)[..., None] * exp_z
+    if uniform is not None:
+        d = d - uniform[..., None]
+    return d - jnp.where(is_target, on_target[..., None], 0.0)
+
+
 _cross_entropy.defvjp(_forward, _backward)
+
+
+def log_softmax_at(logits: jax.Array, index: jax.Array) -> jax.Array:
+    """log_softmax(logits)[..., index]: logits [..., V], index [...] int -> [...], in the logits'
+    dtype promoted to at least float32.
+
+    The same as ``jnp.take_along_axis(jax.nn.log_softmax(logits), index[..., None], -1)``
+    without the [..., V] log-softmax: the forward pass computes the row statistics (and keeps
+    exp(z) on XLA:CPU, as `cross_entropy` does), and a custom VJP writes the gradient
+    g * (onehot(index) - softmax) in one elementwise pass, where autodiff would scatter g
+    into a zero [..., V] array and then run the log-softmax's own backward pass over it.
+    """
+    return _log_softmax_at(logits.astype(precision.at_least_float32(logits.dtype)), index)
+
+
+@jax.custom_vjp
+def _log_softmax_at(logits, index):
+    return _log_softmax_at_forward(logits, index)[0]
+
+
+def _log_softmax_at_forward(x, index):
+    top, total, _, kept = _row_statistics(x)
+    value = jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0] - top - jnp.log(total)
+    return value, (*kept, total, index)
+
+
+def _log_softmax_at_backward(residuals, g):
+    *kept, total, index = residuals
+    return _softmax_minus_target(_exp_z(*kept), total, index, -g, -g), None
+
+
+_log_softmax_at.defvjp(_log_softmax_at_forward, _log_softmax_at_backward)
