@@ -334,12 +334,14 @@ CAPACITY_CASES = {
 }
 
 
+@pytest.mark.parametrize("form", ["cpu", "other"])  # losses.log_softmax_at's two forms
 @pytest.mark.parametrize(
     "div_val, case", [(1, c) for c in CAPACITY_CASES] + [(2, "fits"), (2, "overflows")]
 )
-def test_capacity_equals_the_dense_loss_and_gradients(div_val, case):
+def test_capacity_equals_the_dense_loss_and_gradients(div_val, case, form, use_form):
     """Tied LM: the capacity-limited NLL, its gradients w.r.t. the hidden states and every
     parameter (both uses of the tied tables) equal the dense path's, under jit."""
+    use_form(losses, form)
     capacity, counts = CAPACITY_CASES[case]
     dense = _LM(True, div_val, rngs=_rngs())
     _randomize(dense)

@@ -20,7 +20,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xformer import precision
-from xformer.losses import log_softmax_at
+from xformer.losses import (
+    log_softmax_at,
+    log_softmax_at_gradient,
+    log_softmax_at_with_residuals,
+)
 from xformer.sharding import logical
 
 INIT = nnx.initializers.normal(0.02)
@@ -259,11 +263,6 @@ def _pad_rows(w: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(w, ((0, pad), (0, 0))), jnp.concatenate([b, fill])
 
 
-def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
-    """x [..., n], index [...] -> x[..., index]."""
-    return jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0]
-
-
 def _logits(h: jax.Array, w: jax.Array, b: jax.Array, proj: jax.Array | None) -> jax.Array:
     """h [..., d_model] -> (h @ proj^T) @ w^T + b [..., n] in b's dtype (the matmuls in h's;
     b's is at_least_float32 of h's)."""
@@ -296,9 +295,10 @@ def _compact(
 def _sparse_tail_logp(cap, h, w, b, proj, local, member) -> jax.Array:
     """`_dense_tail_logp` [N] computed on the (at most cap) member rows only. With more members
     it scores every row, a block of consecutive rows at a time, so that no [N, n] array is
-    built either way. A custom VJP saves the gathered rows' softmax [block, n] for the
-    backward pass (lax.cond's own autodiff would save the dense branch's residuals too, zeros
-    when unused); the dense fallback recomputes each block's softmax in the backward pass.
+    built either way. A custom VJP saves the gathered rows' log-softmax residuals [block, n]
+    (`losses.log_softmax_at_with_residuals`) for the backward pass (lax.cond's own autodiff
+    would save the dense branch's residuals too, zeros when unused); the dense fallback
+    recomputes each block's in the backward pass.
     A block is cap rows rounded up to ROW_MULTIPLE (the extra rows are padding; more than cap
     members still overflow). bench/gpu_compile.py, wt103_xl bf16 fused on an H100 (cap 1,350
     -> blocks of 1,352): 10 pad kernels fewer, floor 22.01 -> 21.72 ms."""
@@ -317,32 +317,33 @@ def _sparse_tail_logp(cap, h, w, b, proj, local, member) -> jax.Array:
         rows, used, slot, overflow = _compact(member, cap, size)
 
         def sparse():
-            log_p, probs = _score_rows(params, local, rows)
-            return jnp.where(member, log_p[slot], 0.0), probs
+            log_p, scored = _score_rows(params, local, rows)
+            return jnp.where(member, log_p[slot], 0.0), scored
 
         def dense():
             log_p = jax.lax.map(lambda r: _score_rows(params, local, r)[0], chunk_rows)
             out = jnp.where(member, log_p.reshape(-1)[:n], 0.0)
-            return out, jnp.zeros((size, w.shape[0]), b.dtype)
+            unused = jax.eval_shape(sparse)[1]
+            return out, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), unused)
 
-        out, probs = jax.lax.cond(overflow, dense, sparse)
-        return out, (params, local, member, rows, used, overflow, probs)
+        out, scored = jax.lax.cond(overflow, dense, sparse)
+        return out, (params, local, member, rows, used, overflow, scored)
 
     def bwd(res, g):
-        params, local, member, rows, used, overflow, probs = res
+        params, local, member, rows, used, overflow, scored = res
         h = params[0]
 
         def sparse():
             g_rows = jnp.where(used, g[rows], 0.0)
-            dh_rows, *d_params = _backprop_rows(params, local, rows, g_rows, probs)
+            dh_rows, *d_params = _backprop_rows(params, rows, g_rows, scored)
             return jnp.zeros_like(h).at[rows].add(dh_rows), *d_params
 
         def dense():
             def step(total, chunk):
                 rows, used = chunk
                 g_rows = jnp.where(used & member[rows], g[rows], 0.0)
-                probs = _score_rows(params, local, rows)[1]
-                dh_rows, *d_params = _backprop_rows(params, local, rows, g_rows, probs)
+                scored = _score_rows(params, local, rows)[1]
+                dh_rows, *d_params = _backprop_rows(params, rows, g_rows, scored)
                 return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, d_params), dh_rows
 
             acc = precision.at_least_float32(b.dtype)
@@ -357,17 +358,17 @@ def _sparse_tail_logp(cap, h, w, b, proj, local, member) -> jax.Array:
     return tail_logp(h, w, b, proj, local, member)
 
 
-def _score_rows(params, local, rows) -> tuple[jax.Array, jax.Array]:
-    """params (h [N, d], w, b, proj), rows [R] -> (log p(local target) [R], softmax [R, n])."""
+def _score_rows(params, local, rows) -> tuple[jax.Array, tuple]:
+    """params (h [N, d], w, b, proj), rows [R] -> (log p(local target) [R], the residuals of
+    its gradient: `losses.log_softmax_at_with_residuals`)."""
     h, *wbp = params
-    log_p = jax.nn.log_softmax(_logits(h[rows], *wbp))
-    return _gather(log_p, local[rows]), jnp.exp(log_p)
+    return log_softmax_at_with_residuals(_logits(h[rows], *wbp), local[rows])
 
 
-def _backprop_rows(params, local, rows, g_rows, probs) -> list:
-    """Cotangents g_rows [R] of `_score_rows`'s log-probabilities (zero for rows not scored)
-    -> [d h[rows] [R, d], d w, d b, d proj]: d log p(t) / d logits = onehot(t) - softmax."""
+def _backprop_rows(params, rows, g_rows, scored) -> list:
+    """Cotangents g_rows [R] of `_score_rows`'s log-probabilities (zero for rows not scored),
+    with its residuals -> [d h[rows] [R, d], d w, d b, d proj]."""
     h, *wbp = params
-    d_logits = (-g_rows[:, None] * probs).at[jnp.arange(len(rows)), local[rows]].add(g_rows)
+    d_logits = log_softmax_at_gradient(scored, g_rows)
     _, vjp = jax.vjp(_logits, h[rows], *wbp)  # its forward value is unused: jit drops it
-    return list(vjp(d_logits.astype(probs.dtype)))
+    return list(vjp(d_logits))

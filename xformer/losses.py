@@ -134,18 +134,26 @@ def log_softmax_at(logits: jax.Array, index: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def _log_softmax_at(logits, index):
-    return _log_softmax_at_forward(logits, index)[0]
+    return log_softmax_at_with_residuals(logits, index)[0]
 
 
-def _log_softmax_at_forward(x, index):
-    top, total, _, kept = _row_statistics(x)
-    value = jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0] - top - jnp.log(total)
+def log_softmax_at_with_residuals(logits: jax.Array, index: jax.Array) -> tuple[jax.Array, tuple]:
+    """`log_softmax_at` of float32-or-wider logits, and the residuals its gradient needs: the
+    forward half of its VJP, for callers that keep the residuals themselves."""
+    top, total, _, kept = _row_statistics(logits)
+    value = jnp.take_along_axis(logits, index[..., None], axis=-1)[..., 0] - top - jnp.log(total)
     return value, (*kept, total, index)
 
 
-def _log_softmax_at_backward(residuals, g):
+def log_softmax_at_gradient(residuals: tuple, g: jax.Array) -> jax.Array:
+    """g [...] -> d sum(g * log_softmax_at(logits, index)) / d logits [..., V], from the
+    residuals of `log_softmax_at_with_residuals`: g * (onehot(index) - softmax)."""
     *kept, total, index = residuals
-    return _softmax_minus_target(_exp_z(*kept), total, index, -g, -g), None
+    return _softmax_minus_target(_exp_z(*kept), total, index, -g, -g)
 
 
-_log_softmax_at.defvjp(_log_softmax_at_forward, _log_softmax_at_backward)
+def _log_softmax_at_backward(residuals, g):
+    return log_softmax_at_gradient(residuals, g), None
+
+
+_log_softmax_at.defvjp(log_softmax_at_with_residuals, _log_softmax_at_backward)
