@@ -39,12 +39,12 @@ import jax.numpy as jnp  # noqa: E402
 from bench_output import finish  # noqa: E402
 from matmul_ceiling import matmul_gflops  # noqa: E402
 
-from xformer import adaptive, train_lib  # noqa: E402
+from xformer import adaptive, precision, train_lib  # noqa: E402
 
 
 def autodiff_log_softmax_at(logits: jax.Array, index: jax.Array) -> jax.Array:
     """The reference: the whole log-softmax [..., V], then the entry at index [...]."""
-    log_p = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)))
+    log_p = jax.nn.log_softmax(logits.astype(precision.at_least_float32(logits.dtype)))
     return jnp.take_along_axis(log_p, index[..., None], axis=-1)[..., 0]
 
 
@@ -79,12 +79,14 @@ def main() -> None:
     for window in range(-1, args.windows):  # window -1: the untimed warm-up
         n = args.warmup if window < 0 else args.steps
         for name, step in steps.items():
-            start = time.perf_counter()
+            start, window_metrics = time.perf_counter(), []
             for i in range(count, count + n):
                 states[name], metrics = step(states[name], rng_state, batches[i % len(batches)])
-                losses[name].append(float(metrics["loss_sum"] / metrics["tokens"]))
+                window_metrics.append(metrics)
+            jax.block_until_ready(states[name])
             if window >= 0:
                 times[name].append((time.perf_counter() - start) / n)
+            losses[name] += [float(m["loss_sum"] / m["tokens"]) for m in window_metrics]
         count += n
     ceiling_after = matmul_gflops()
 

@@ -38,7 +38,7 @@ from matmul_ceiling import matmul_gflops  # noqa: E402
 from xformer.data.tokenizer import EOS_ID  # noqa: E402
 from xformer.model_config import from_config  # noqa: E402
 from xformer.models import EncoderDecoder  # noqa: E402
-from xformer.translate import search  # noqa: E402
+from xformer.translate import decode_length, position_limit, search  # noqa: E402
 
 
 def main() -> None:
@@ -55,9 +55,7 @@ def main() -> None:
     config = load_config(args.config)
     vocab = {"src_vocab_size": args.vocab_size, "tgt_vocab_size": args.vocab_size}
     cfg = from_config(config.model, **vocab)
-    max_len = args.src_len + config.eval.max_decode_extra
-    if cfg.positional == "learned":
-        max_len = min(max_len, cfg.max_len)
+    max_len = decode_length(args.src_len, config.eval.max_decode_extra, position_limit(cfg))
     model = EncoderDecoder(cfg, rngs=nnx.Rngs(args.seed))
     model.eval()
     graphdef, state = nnx.split(model)

@@ -72,6 +72,18 @@ def search(
     return tokens[:, 0]
 
 
+def position_limit(model_cfg: TransformerConfig) -> int | None:
+    """model.max_len with learned positions (no later position has an embedding), else None."""
+    return model_cfg.max_len if model_cfg.positional == "learned" else None
+
+
+def decode_length(source_length: int, max_decode_extra: int, max_positions: int | None) -> int:
+    """Steps a search runs at most for sources padded to source_length: source_length +
+    max_decode_extra, and at most max_positions (`position_limit`) where there is one."""
+    steps = source_length + max_decode_extra
+    return min(steps, max_positions) if max_positions else steps
+
+
 class ProgressLog:
     """Logs "translated n/N sentences | x sentences/s | ETA" after the first batch, then at
     most every `every_s` seconds (0 = never). The ETA scales the time so far by the source
@@ -132,7 +144,7 @@ class Translator:
         self.max_input_tokens, self.max_tokens_per_batch = max_input_tokens, max_tokens_per_batch
         self.batch_sharding = batch_sharding
         self.row_multiple = sharding.batch_rows(batch_sharding.mesh)
-        self.max_positions = model_cfg.max_len if model_cfg.positional == "learned" else None
+        self.max_positions = position_limit(model_cfg)
         self.input_limit = min(max_input_tokens, self.max_positions or max_input_tokens)
         # The tokens come back on every device: each process reads every row of the batch.
         self._decode = jax.jit(
@@ -167,9 +179,7 @@ class Translator:
             self.row_multiple,
             max_length=self.max_positions,
         ):
-            max_len = batch.length + self.max_decode_extra
-            if self.max_positions:
-                max_len = min(max_len, self.max_positions)
+            max_len = decode_length(batch.length, self.max_decode_extra, self.max_positions)
             src = pad_rows([ids[k] for k in batch.indices], batch.length, batch.rows)
             src = jax.device_put(src, self.batch_sharding)
             tokens = np.asarray(self._decode(params, rng_state, src, max_len))
