@@ -1,10 +1,10 @@
 """The other backends' program forms (the loss's online reduction, LayerNorm's statistics, the
-FFN's output-masked ReLU; see `use_form`) on a data x tensor mesh of 4 simulated CPU devices,
-with the vocabulary, the FFN's hidden features and the model features split over the tensor
-axis: values and gradients equal the unsplit XLA:CPU form's in float64 (a bfloat16
-LayerNorm, whose one-pass variance differs from the two-pass form by design, equals its own
-unsplit run), and the loss's split reduction gathers per-row partial statistics, never the
-logits."""
+FFN's output-masked ReLU, the XL position term's broadcast over the batch; see `use_form`) on a
+data x tensor mesh of 4 simulated CPU devices, with the vocabulary, the FFN's hidden features,
+the model features and the attention heads split over the tensor axis: values and gradients
+equal the unsplit XLA:CPU form's in float64 (a bfloat16 LayerNorm, whose one-pass variance
+differs from the two-pass form by design, equals its own unsplit run), and the loss's split
+reduction gathers per-row partial statistics, never the logits."""
 
 import json
 import re
@@ -18,7 +18,7 @@ from simulated_devices import run_script
 def test_other_backends_forms_split_over_a_mesh_equal_the_cpu_form(tmp_path):
     run_script(__file__, 4, str(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text())
-    assert set(report["gaps"]) == {"loss", "ffn", "layer_norm"}
+    assert set(report["gaps"]) == {"loss", "ffn", "layer_norm", "xl_position"}
     for name, gap in report["gaps"].items():
         assert gap < 1e-12, (name, gap)
     assert report["bf16_layer_norm_gap"] < 2.0**-7  # bfloat16 outputs: within an ulp
@@ -37,10 +37,11 @@ def _worker(workdir: Path) -> None:
     from xformer import activations, layer_norm, losses
     from xformer.blocks import FeedForward
     from xformer.layer_norm import LayerNorm
+    from xformer.positional import xl_relative
 
     assert jax.device_count() == 4, jax.devices()
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2), ("data", "tensor"))
-    modules = (activations, layer_norm, losses)
+    modules = (activations, layer_norm, losses, xl_relative)
     rng = np.random.default_rng()
 
     def put(x, *spec):
@@ -101,6 +102,20 @@ def _worker(workdir: Path) -> None:
         split_params = jax.tree_util.tree_map_with_path(split_hidden, params)
         report["gaps"]["ffn"], _ = gap(
             ffn_loss, (params, jnp.asarray(x)), (split_params, put(x, "data", None, None))
+        )
+
+        # the XL position term: (q + v) [B, Lq, H, D] over the batch and the heads, R W_kR
+        # [W, H, D] over the heads
+        qv, rk = rng.normal(size=(8, 5, 4, 3)), rng.normal(size=(9, 4, 3))
+        scores_g = jnp.asarray(rng.normal(size=(8, 4, 5, 9)))
+
+        def position_loss(qv, rk):
+            return (xl_relative.position_scores(qv, rk) * scores_g).sum()
+
+        report["gaps"]["xl_position"], _ = gap(
+            position_loss,
+            (jnp.asarray(qv), jnp.asarray(rk)),
+            (put(qv, "data", None, "tensor"), put(rk, None, "tensor")),
         )
 
         # LayerNorm (float64: the backward keeping x with its statistics) with the model

@@ -139,6 +139,47 @@ def test_float64_attention_under_each_scheme_is_exact(name, setting):
         )
 
 
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_both_forms_of_the_xl_position_term_are_exact(setting, use_form):
+    """The XL position term with R W_kR shared by the batch (XLA:CPU's form) and broadcast over
+    it (the other backends'): float64 attention equals the numpy reference to 1e-12 in each,
+    and the gradients of a random projection of it (into x, the memory, W_kR, u and v) agree."""
+    from xformer.positional import xl_relative
+
+    rng = np.random.default_rng()
+    with jax.enable_x64(True):
+        case = attention_case("relative", {}, setting, int(rng.integers(1e6)), dtype="float64")
+        inputs = {"x": jnp.asarray(case.x)}
+        if case.memory is not None:
+            inputs["memory"] = jnp.asarray(case.memory)
+        g = jnp.asarray(rng.normal(size=case.x.shape))
+        valid = case.valid_rows()
+
+        def loss(scheme, inputs):
+            out = case.attn(
+                inputs["x"],
+                case.mask,
+                positional=BoundScheme.bind(scheme, case.layout),
+                layer=1,
+                memory=inputs.get("memory"),
+            )
+            return jnp.sum(jnp.where(valid, out, 0) * g), out
+
+        results = {}
+        for form in ("cpu", "other"):
+            use_form(xl_relative, form)
+            (_, out), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+                case.scheme, inputs
+            )
+            np.testing.assert_allclose(
+                np.where(valid, out, 0), np.where(valid, case.expected("relative"), 0), atol=1e-12
+            )
+            results[form] = jax.tree.leaves(grads)
+        assert len(results["cpu"]) >= 5  # W_kR of both layers, u, v and the inputs
+        for want, got in zip(results["cpu"], results["other"], strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-12, rtol=1e-12)
+
+
 def test_rope_scores_depend_only_on_the_distance():
     rng = np.random.default_rng()
     scheme = SCHEMES["rope"](CFG, 1, rngs=nnx.Rngs(0))
