@@ -87,29 +87,33 @@ def test_single_cluster_is_the_plain_softmax(d_model):
     np.testing.assert_allclose(sm.log_probs(jnp.asarray(h)), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("cutoffs, width", [((), 56), (CUTOFFS, 16)])
-def test_head_rows_padded_to_a_multiple_of_8_score_nothing(cutoffs, width, monkeypatch):
-    """The head's V (or shortlist + n_tails) rows come padded to a width GPU matmuls take as it
-    is; the padding's logits have probability exactly 0, and the loss and every parameter's
-    gradient equal the unpadded head's (float64, 1e-12)."""
+@pytest.mark.parametrize("cutoffs, widths", [((), [56]), (CUTOFFS, [16, 16, 16, 16])])
+def test_cluster_rows_padded_to_a_multiple_of_8_score_nothing(cutoffs, widths, monkeypatch):
+    """Every cluster's rows (the head's: shortlist + n_tails) come padded to a width GPU matmuls
+    take as it is; the padding's logits have probability exactly 0, and the loss, every
+    parameter's gradient and log_probs equal the unpadded clusters' (float64, 1e-12)."""
     with jax.enable_x64(True):
         f64 = {"dtype": jnp.float64, "param_dtype": jnp.float64}
         sm = _softmax_module(16, 16, cutoffs, 1, **f64)
-        n = (cutoffs[0] + len(cutoffs)) if cutoffs else V
-        w, b, _ = sm._cluster(0, jnp.float64, jnp.float64)
-        assert w.shape == (width, 16) and b.shape == (width,) and width > n
+        sizes = [end - start for start, end in sm.layout.clusters]
+        sizes[0] += len(cutoffs)  # the head's cluster logits
         h = jnp.asarray(_hidden(16), jnp.float64)
         t = jnp.asarray(_targets(cutoffs))
-        assert float(jnp.abs(jax.nn.softmax(h @ w.T + b)[..., n:]).max()) == 0.0
+        for i, (n, width) in enumerate(zip(sizes, widths, strict=True)):
+            w, b, _ = sm._cluster(i, jnp.float64, jnp.float64)
+            assert w.shape == (width, 16) and b.shape == (width,) and width > n
+            assert float(jnp.abs(jax.nn.softmax(h @ w.T + b)[..., n:]).max()) == 0.0
 
-        def loss_and_grads():
+        def loss_grads_and_log_probs():
             loss, grads = nnx.value_and_grad(lambda m: m.nll(h, t).sum())(sm)
-            return [loss, *jax.tree.leaves(grads)]
+            return [loss, *jax.tree.leaves(grads), sm.log_probs(h)]
 
-        padded = loss_and_grads()
+        padded = loss_grads_and_log_probs()
         monkeypatch.setattr(adaptive, "ROW_MULTIPLE", 1)
-        assert sm._cluster(0, jnp.float64, jnp.float64)[0].shape[0] == n
-        for got, expected in zip(padded, loss_and_grads(), strict=True):
+        assert [
+            sm._cluster(i, jnp.float64, jnp.float64)[0].shape[0] for i in range(len(sizes))
+        ] == sizes
+        for got, expected in zip(padded, loss_grads_and_log_probs(), strict=True):
             np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
 
 

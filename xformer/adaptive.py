@@ -189,9 +189,9 @@ class AdaptiveLogSoftmax(nnx.Module):
         return dtype, precision.at_least_float32(dtype)
 
     def _cluster(self, i: int, dtype, acc) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """Cluster i's (weights [n_i, d_i] in dtype, bias [n_i] in acc, projection [d_i, d] or
-        None); the head's weights and bias have n_tails extra rows, the cluster logits, and
-        then padding rows up to a multiple of ROW_MULTIPLE (`_pad_rows`)."""
+        """Cluster i's (weights [m_i, d_i] in dtype, bias [m_i] in acc, projection [d_i, d] or
+        None): its n_i rows (the head's have n_tails more, the cluster logits), then padding
+        rows up to a multiple of ROW_MULTIPLE (`_pad_rows`)."""
         start, end = self.layout.clusters[i]
         g = self.layout.table_of(i)
         row = start - self.layout.table_ranges[g][0]
@@ -199,14 +199,13 @@ class AdaptiveLogSoftmax(nnx.Module):
         if i == 0 and self.cluster_weight is not None:
             w = jnp.concatenate([w, self.cluster_weight[...].astype(w.dtype)])
             b = jnp.concatenate([b, self.cluster_bias[...].astype(b.dtype)])
-        w, b = w.astype(dtype), b.astype(acc)
-        if i == 0:
-            w, b = _pad_rows(w, b)
+        w, b = _pad_rows(w.astype(dtype), b.astype(acc))
         proj = self.projs[i]
         return w, b, None if proj is None else proj[...].astype(dtype)
 
     def _log_softmax(self, hidden: jax.Array, i: int) -> jax.Array:
-        """Cluster i's log-softmax [..., n_i] (the head's has n_tails extra entries)."""
+        """Cluster i's log-softmax [..., m_i]: n_i entries (the head's n_tails more), then
+        the padding rows', exactly -inf or 0 in probability."""
         dtype, acc = self._dtypes(hidden)
         return jax.nn.log_softmax(_logits(hidden.astype(dtype), *self._cluster(i, dtype, acc)))
 
@@ -215,8 +214,9 @@ class AdaptiveLogSoftmax(nnx.Module):
         head = self._log_softmax(hidden, 0)
         shortlist = self.layout.clusters[0][1]
         parts = [head[..., :shortlist]]
-        for i in range(1, len(self.layout.clusters)):
-            parts.append(head[..., shortlist + i - 1, None] + self._log_softmax(hidden, i))
+        for i, (start, end) in enumerate(self.layout.clusters[1:], start=1):
+            tail = self._log_softmax(hidden, i)[..., : end - start]
+            parts.append(head[..., shortlist + i - 1, None] + tail)
         return jnp.concatenate(parts, axis=-1)
 
     def nll(self, hidden: jax.Array, targets: jax.Array) -> jax.Array:
@@ -254,8 +254,8 @@ ROW_MULTIPLE = 8
 def _pad_rows(w: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Weights [n, d] and bias [n] -> [m, d], [m], m = n rounded up to ROW_MULTIPLE: zero
     weights and bias precision.mask_value, logits whose softmax is exactly 0 (no gradient).
-    XLA:GPU would pad the head's GEMM to such a width itself, in passes over its operands and
-    its [N, n] logits (WikiText-103: 20,003 -> 20,008)."""
+    XLA:GPU would pad the GEMM to such a width itself, in passes over its operands and its
+    [N, n] logits (WikiText-103: the head's 20,003 -> 20,008, the last tail's 67,735 -> 67,736)."""
     pad = -w.shape[0] % ROW_MULTIPLE
     if not pad:
         return w, b
