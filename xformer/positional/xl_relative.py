@@ -129,7 +129,6 @@ class XLRelativePositions(PositionalScheme):
         """r: R [W, d] from `prepare`, or the projections of `prepare_step`."""
         u, v = ((p[layer] if self.untied else p[...]).astype(q.dtype) for p in (self.u, self.v))
         rk = r.rk[layer] if isinstance(r, ProjectedDistances) else self._project(r, layer)
-        # accumulated as the content logits are
         position = position_scores(q + v, rk)
         content_bias = precision.wide_einsum("hd,bkhd->bhk", u, k)[:, :, None]
         return (content_bias + relative_shift(position, layout.k_len)) / math.sqrt(self.head_dim)
