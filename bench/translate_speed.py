@@ -1,6 +1,7 @@
 """Benchmark: translation decoding speed (beam and greedy search) of an encoder-decoder config.
 
     python bench/translate_speed.py
+    python bench/translate_speed.py --one_loop   # and beam search without cache phases
     python bench/translate_speed.py --config=configs/wmt14_ende.py --batch_size=32 --src_len=48
 
 Decodes the same batch as eval.py does (`translate.search`: the model's cached decoding steps,
@@ -14,7 +15,10 @@ search decodes the batch once (interleaved, so background load hits all alike) u
 `block_until_ready`. Reported, medians over the repeats: seconds a batch, ms per decoding
 step, sentences/s and generated tokens/s (rows x steps / seconds). The f32 matmul ceiling
 (bench/matmul_ceiling.py) is measured before and after. Prints a table, JSON with every figure,
-the device and the exact command; the JSON also goes to --output.
+the device and the exact command; the JSON also goes to --output. The searches run as eval.py's
+do, beam search over a self-attention cache grown in phases (`decoding.phase_sizes`);
+--one_loop adds beam search in one loop over the whole cache, in the same interleaved repeats,
+and counts the rows whose tokens the two forms agree on.
 """
 
 import argparse
@@ -36,6 +40,7 @@ from generate_speed import load_config  # noqa: E402
 from matmul_ceiling import matmul_gflops  # noqa: E402
 
 from xformer.data.tokenizer import EOS_ID  # noqa: E402
+from xformer.decoding import phase_sizes  # noqa: E402
 from xformer.model_config import from_config  # noqa: E402
 from xformer.models import EncoderDecoder  # noqa: E402
 from xformer.translate import decode_length, position_limit, search  # noqa: E402
@@ -50,6 +55,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="workdirs/translate_speed.json")
+    parser.add_argument(
+        "--one_loop",
+        action="store_true",
+        help="also time each search in one loop over the whole cache (no cache phases)",
+    )
     args = parser.parse_args()
 
     config = load_config(args.config)
@@ -63,19 +73,34 @@ def main() -> None:
     src = jnp.asarray(rng.integers(4, args.vocab_size, (args.batch_size, args.src_len)), jnp.int32)
 
     beams = {"beam": config.eval.beam_size, "greedy": 1}
-    searches, compile_s, stopped_early = {}, {}, {}
+    if args.one_loop:
+        beams["beam, one loop"] = config.eval.beam_size
+    searches, compile_s, stopped_early, outputs = {}, {}, {}, {}
     ceiling_before = matmul_gflops()
     for name, beam_size in beams.items():
+        phases = (max_len,) if name.endswith("one loop") else phase_sizes(max_len)
         fn = jax.jit(
-            lambda state, src, k=beam_size: search(
-                nnx.merge(graphdef, state), src, max_len, k, config.eval.length_penalty
+            lambda state, src, k=beam_size, phases=phases: search(
+                nnx.merge(graphdef, state),
+                src,
+                max_len,
+                k,
+                config.eval.length_penalty,
+                phases=phases,
             )
         )
         start = time.perf_counter()
         searches[name] = fn.lower(state, src).compile()
         compile_s[name] = time.perf_counter() - start
-        tokens = np.asarray(searches[name](state, src))
+        outputs[name] = tokens = np.asarray(searches[name](state, src))
         stopped_early[name] = int((tokens == EOS_ID).any(axis=1).sum())
+    same = (
+        {  # the phased search's tokens against one loop's, row by row
+            "beam": int((outputs["beam"] == outputs["beam, one loop"]).all(axis=1).sum())
+        }
+        if args.one_loop
+        else {}
+    )
     times = {name: [] for name in searches}
     for _ in range(args.repeats):
         for name, fn in searches.items():
@@ -114,6 +139,8 @@ def main() -> None:
         "steps": max_len,
         "model": {**dataclasses.asdict(cfg), "parameters": "random (untrained)"},
         "repeats": args.repeats,
+        "cache_phases": list(phase_sizes(max_len)),
+        "rows_equal_to_one_loop": same,
         "matmul_ceiling_gflops_before_after": [round(ceiling_before, 1), round(ceiling_after, 1)],
     }
     finish(summary, args.output)

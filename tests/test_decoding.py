@@ -13,6 +13,7 @@ from xformer.decoding import (
     expand_to_beams,
     gather_beams,
     greedy_search,
+    phase_sizes,
 )
 
 PAD, EOS, BOS = 0, 1, 2
@@ -286,6 +287,23 @@ def test_expand_and_gather_beams():
     out = gather_beams(moved, jnp.array([[2, 2, 0], [1, 0, 0]]))
     np.testing.assert_array_equal(out["b"], [2, 2, 0, 4, 3, 3])
     np.testing.assert_array_equal(out["a"][:, 0], [200, 200, 0, 403, 303, 303])
+
+
+def test_phase_sizes_double_up_to_the_length_and_bad_phases_are_refused():
+    assert phase_sizes(82) == (32, 64, 82)
+    assert phase_sizes(64) == (32, 64)
+    assert phase_sizes(32) == (32,) and phase_sizes(5) == (5,)
+    assert phase_sizes(9, first=2) == (2, 4, 8, 9)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        phase_sizes(0)
+    cache = {"h": jnp.zeros((2, 3))}
+    step = lambda tokens, cache, index: (jnp.zeros((2, 4)), cache)  # noqa: E731
+    grow = lambda cache, n: cache  # noqa: E731
+    for phases in ((4, 8), (4, 4, 10), (0, 10)):
+        with pytest.raises(ValueError, match="must increase from >= 1 up to max_len"):
+            beam_search(step, cache, 2, 2, 10, BOS, EOS, cache_phases=phases, grow_cache=grow)
+    with pytest.raises(ValueError, match="needs grow_cache"):
+        beam_search(step, cache, 2, 2, 10, BOS, EOS, cache_phases=(5, 10))
 
 
 _SHARDED_SEARCH = """

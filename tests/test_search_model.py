@@ -1,5 +1,6 @@
-"""Search with the real model: cached greedy = uncached greedy; beam size 1 = greedy; the
-beam search loop never copies the cross-attention cache."""
+"""Search with the real model: cached greedy = uncached greedy; beam size 1 = greedy; a cache
+grown in phases = one loop over the whole cache; the beam search loop never copies the
+cross-attention cache."""
 
 import re
 
@@ -11,11 +12,11 @@ from flax import nnx
 
 from xformer import translate
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from xformer.decoding import ban_tokens, beam_search, greedy_search
+from xformer.decoding import ban_tokens, beam_search, greedy_search, phase_sizes
 from xformer.models import EncoderDecoder, TransformerConfig
 
 
-def _model(seed):
+def _model(seed, positional="learned"):
     cfg = TransformerConfig(
         src_vocab_size=30,
         tgt_vocab_size=30,
@@ -24,7 +25,7 @@ def _model(seed):
         num_encoder_layers=2,
         num_decoder_layers=2,
         d_ff=64,
-        positional="learned",
+        positional=positional,
         max_len=32,
     )
     model = EncoderDecoder(cfg, rngs=nnx.Rngs(seed))
@@ -104,6 +105,47 @@ def test_beam_search_equals_one_that_reorders_every_cache_leaf():
     ]
     for kept, reordered in zip(*results, strict=True):
         np.testing.assert_array_equal(kept, reordered)
+
+
+def test_beam_search_over_a_cache_grown_in_phases_equals_one_loop():
+    """Steps 0-3 over 4 slots, 4-7 over 8, 8-13 over 14 (the model's grow_decode_cache in
+    between): the tokens of one loop over 14 slots, and its scores to float rounding."""
+    rng = np.random.default_rng()
+    model, src = _model(int(rng.integers(1e6))), _src(rng)
+    step_fn = ban_tokens(model.decode_step, (PAD_ID, BOS_ID))
+    results = []
+    for phases in ((), (4, 8, 14)):
+        cache = model.init_decode_cache(src, phases[0] if phases else 14)
+        phased = {"cache_phases": phases, "grow_cache": model.grow_decode_cache}
+        results.append(beam_search(step_fn, cache, 4, 3, 14, BOS_ID, EOS_ID, 0.6, PAD_ID, **phased))
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-6)
+    assert (np.asarray(results[0][0]) != PAD_ID).sum(-1).max() > 8  # reached the last phase
+    cache = model.init_decode_cache(src, 4)
+    cache["self"][0]["k"] = cache["self"][0]["k"] + 1.0  # slots as a step would fill them
+    grown = model.grow_decode_cache(cache, 8)
+    for old, new in zip(
+        jax.tree.leaves(cache["self"]), jax.tree.leaves(grown["self"]), strict=True
+    ):
+        assert new.shape == (*old.shape[:2], 8, old.shape[3])
+        np.testing.assert_array_equal(new[:, :, :4], old)
+        assert not np.asarray(new[:, :, 4:]).any()
+    assert grown["cross"] is cache["cross"] and grown["src_valid"] is cache["src_valid"]
+
+
+def test_translate_search_decodes_in_phases_of_doubling_cache_size():
+    """eval.py's beam search over 50 steps runs over 32 and then 50 cache slots."""
+    rng = np.random.default_rng()
+    model, src = _model(int(rng.integers(1e6)), positional="sinusoidal"), _src(rng)
+    graphdef, state = nnx.split(model)
+    assert phase_sizes(50) == (32, 50)
+
+    def search(state, src):
+        return translate.search(nnx.merge(graphdef, state), src, 50, 3, alpha=0.6)
+
+    hlo = jax.jit(search).lower(state, src).compile().as_text()
+    # the self-attention caches [B * beam, H, slots, D] of each phase
+    assert "f32[12,4,32,8]" in hlo and "f32[12,4,50,8]" in hlo
 
 
 def _loop_body_ops(hlo: str) -> list[tuple[str, str]]:

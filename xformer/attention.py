@@ -252,6 +252,12 @@ class MultiHeadAttention(nnx.Module):
         return cache["k"].shape[2]
 
     @staticmethod
+    def grow_cache(cache: dict, max_len: int) -> dict:
+        """`init_cache`'s cache with empty slots appended up to max_len."""
+        pad = ((0, 0), (0, 0), (0, max_len - cache["k"].shape[2]), (0, 0))
+        return {name: jnp.pad(x, pad) for name, x in cache.items()}
+
+    @staticmethod
     def write_cache(cache: dict, k: jax.Array, v: jax.Array, index: int | jax.Array) -> dict:
         """The cache with keys and values k, v [B, n, H, D] in slots index..index+n-1."""
         return {

@@ -1,8 +1,9 @@
 """Batched, jit-compatible greedy and beam search over a functional decoder step.
 
-Both searches run entirely inside one ``jax.lax.while_loop`` with fixed shapes, so a
-caller can wrap them in ``jax.jit`` (the step function, sizes and token ids are static /
-closed over). The model is abstracted as a pure step function::
+Both searches run inside ``jax.lax.while_loop`` with fixed shapes, so a caller can wrap them
+in ``jax.jit`` (the step function, sizes and token ids are static / closed over): one loop, or
+for beam search one per phase of a cache that grows (``cache_phases``, :func:`phase_sizes`).
+The model is abstracted as a pure step function::
 
     log_probs, new_cache = step_fn(tokens, cache, index)
 
@@ -57,6 +58,47 @@ def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
     """GNMT length penalty ``((5 + L) / 6) ** alpha`` as float32 (``L`` includes EOS)."""
     length = jnp.asarray(length, jnp.float32)
     return ((5.0 + length) / 6.0) ** jnp.float32(alpha)
+
+
+def phase_sizes(max_len: int, first: int = 32) -> tuple[int, ...]:
+    """Cache sizes of a search in phases: first, 2 first, 4 first, ... below max_len, then max_len.
+
+    Every step of beam search attends over and reorders every slot of the self-attention cache,
+    while step t needs only slots 0..t. Run in phases, the search decodes steps
+    phases[i - 1] .. phases[i] - 1 over a cache of phases[i] slots, so early steps read a
+    small cache; `grow_cache` appends empty slots between phases. A masked slot adds exactly 0
+    to a step's softmax, so the results are those of one loop, up to the order in which the
+    softmax sums its terms.
+    """
+    if max_len < 1 or first < 1:
+        raise ValueError(f"max_len={max_len} and first={first} must be >= 1")
+    sizes = []
+    while first < max_len:
+        sizes.append(first)
+        first *= 2
+    return (*sizes, max_len)
+
+
+def _check_phases(phases: tuple[int, ...], max_len: int, grow_cache) -> tuple[int, ...]:
+    """The phases to run: (max_len,) for none, else checked."""
+    if not phases:
+        return (max_len,)
+    if grow_cache is None:
+        raise ValueError("cache_phases needs grow_cache, which enlarges the cache between them")
+    if phases[-1] != max_len or any(a >= b for a, b in zip((0, *phases), phases, strict=False)):
+        raise ValueError(f"cache_phases={phases} must increase from >= 1 up to max_len={max_len}")
+    return phases
+
+
+def _while_in_phases(cond, body, state: tuple, phases: tuple[int, ...], grow_cache) -> tuple:
+    """jax.lax.while_loop(cond, body, state) for a state (t, ..., cache): phase i runs while
+    t < phases[i], after grow_cache(cache, phases[i]) has enlarged the cache (from phase 1 on).
+    Each phase is a loop of its own, compiled for its cache size."""
+    for i, end in enumerate(phases):
+        if i:
+            state = (*state[:-1], grow_cache(state[-1], end))
+        state = jax.lax.while_loop(lambda s, end=end: cond(s) & (s[0] < end), body, state)
+    return state
 
 
 def expand_to_beams(tree: Cache, beam_size: int) -> Cache:
@@ -183,6 +225,8 @@ def beam_search(
     *,
     early_exit: bool = True,
     top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
+    cache_phases: tuple[int, ...] = (),
+    grow_cache: Callable[[Cache, int], Cache] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with GNMT length penalty (semantics in the module docstring).
 
@@ -198,6 +242,9 @@ def beam_search(
       early_exit: stop the loop once no row can improve (exact: never changes the result).
       top_k: ``jax.lax.top_k`` or an equivalent over the last axis of ``[B, ...]`` arrays
         (``sharding.row_local_top_k`` for a batch split over devices).
+      cache_phases, grow_cache: run in phases (:func:`phase_sizes`): `cache` holds
+        cache_phases[0] slots, and grow_cache(cache, n) returns the beam-expanded cache (leaves
+        ``[B * K, ...]``) with n; () for one loop.
 
     Returns:
       ``(tokens [B, K, max_len] int32, scores [B, K] float32)`` sorted best first. Tokens
@@ -209,6 +256,7 @@ def beam_search(
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    phases = _check_phases(cache_phases, max_len, grow_cache)
     B, K, T = batch_size, beam_size, max_len
     lp_max = length_penalty(T, alpha)
 
@@ -278,7 +326,7 @@ def beam_search(
         jnp.zeros((B,), bool),
         expand_to_beams(cache, K),
     )
-    state = jax.lax.while_loop(cond, body, init)
+    state = _while_in_phases(cond, body, init, phases, grow_cache)
     return state[4], state[5]
 
 

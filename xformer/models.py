@@ -156,6 +156,13 @@ class EncoderDecoder(nnx.Module):
             "src_valid": segments > 0,
         }
 
+    def grow_decode_cache(self, cache: dict, max_len: int) -> dict:
+        """`init_decode_cache`'s cache (leaves [B or B * beam, ...]) with its self-attention
+        caches enlarged to max_len slots; the other leaves are returned as they are."""
+        self.tgt_positional.check_length(max_len)
+        grow = self.decoder[0].self_attn.grow_cache
+        return {**cache, "self": [grow(kv, max_len) for kv in cache["self"]]}
+
     def decode_step(
         self, tokens: jax.Array, cache: dict, index: jax.Array
     ) -> tuple[jax.Array, dict]:

@@ -33,7 +33,7 @@ from xformer import sharding
 from xformer.data.pipeline import budget_batches, pad_rows
 from xformer.data.text import normalize_line, one_line
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from xformer.decoding import ban_tokens, beam_search, greedy_search
+from xformer.decoding import ban_tokens, beam_search, greedy_search, phase_sizes
 from xformer.models import TransformerConfig
 from xformer.timing import format_duration
 
@@ -57,17 +57,32 @@ def search(
     beam_size: int,
     alpha: float,
     top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
+    phases: tuple[int, ...] | None = None,
 ) -> jax.Array:
     """The best output [B, max_len] for each row of src [B, Ls] (PAD after EOS): beam search
     with length penalty `alpha`, or greedy search when beam_size is 1, over the model's
-    cached decoding steps; PAD and BOS are never generated."""
-    cache = model.init_decode_cache(src, max_len)
+    cached decoding steps; PAD and BOS are never generated. Beam search grows its
+    self-attention cache in `phases` (default `decoding.phase_sizes(max_len)`; (max_len,):
+    one loop over the whole cache)."""
     step_fn = ban_tokens(model.decode_step, (PAD_ID, BOS_ID))
     b = src.shape[0]
     if beam_size == 1:
+        cache = model.init_decode_cache(src, max_len)
         return greedy_search(step_fn, cache, b, max_len, BOS_ID, EOS_ID, PAD_ID)
+    phases = phases or phase_sizes(max_len)
     tokens, _ = beam_search(
-        step_fn, cache, b, beam_size, max_len, BOS_ID, EOS_ID, alpha, PAD_ID, top_k=top_k
+        step_fn,
+        model.init_decode_cache(src, phases[0]),
+        b,
+        beam_size,
+        max_len,
+        BOS_ID,
+        EOS_ID,
+        alpha,
+        PAD_ID,
+        top_k=top_k,
+        cache_phases=phases,
+        grow_cache=model.grow_decode_cache,
     )
     return tokens[:, 0]
 
