@@ -29,7 +29,8 @@
 #   ceilings    bf16 8192^3 matmul and device copy (bench/matmul_ceiling.py)
 #   prof_xla    wmt14 bf16 with XLA's attention, traced
 #   remat       wmt14 bf16 fused, model.remat=full and dots: step time and peak memory
-#   translate   bench/translate_speed.py: eval.py's beam and greedy search, Transformer base
+#   translate   bench/translate_speed.py: eval.py's beam and greedy search, Transformer base,
+#               and beam search without cache phases (--one_loop)
 #   (mt_ptb runs mt and ptb at once, each process taking GPU memory as it needs it)
 # `bash bench/gpu_session.sh STEP...` runs only those steps. Everything is written under
 # $WORK/out; $OUT (the device's return folder, at most 8 files; default workdirs/gpu_session)
@@ -179,7 +180,8 @@ step_ceilings() {
 step_translate() {  # eval.py's beam and greedy search with the base model (random weights)
   local size=(--config=configs/wmt14_ende.py --vocab_size=32000)
   [[ "${QUICK:-0}" == 1 ]] && size=(--batch_size 4 --src_len 8 --repeats 1)
-  run translate 60 "$PY" bench/translate_speed.py "${size[@]}" --output="$LOGS/translate.json"
+  run translate 60 "$PY" bench/translate_speed.py "${size[@]}" --one_loop \
+    --output="$LOGS/translate.json"
   show translate "^\| (beam|greedy)|Error"
 }
 

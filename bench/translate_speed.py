@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument(
         "--one_loop",
         action="store_true",
-        help="also time each search in one loop over the whole cache (no cache phases)",
+        help="also time beam search in one loop over the whole cache (no cache phases)",
     )
     args = parser.parse_args()
 
