@@ -78,7 +78,7 @@ def main() -> None:
     searches, compile_s, stopped_early, outputs = {}, {}, {}, {}
     ceiling_before = matmul_gflops()
     for name, beam_size in beams.items():
-        phases = (max_len,) if name.endswith("one loop") else phase_sizes(max_len)
+        phases = (max_len,) if name.endswith("one loop") else None  # None: eval.py's
         fn = jax.jit(
             lambda state, src, k=beam_size, phases=phases: search(
                 nnx.merge(graphdef, state),
@@ -94,13 +94,9 @@ def main() -> None:
         compile_s[name] = time.perf_counter() - start
         outputs[name] = tokens = np.asarray(searches[name](state, src))
         stopped_early[name] = int((tokens == EOS_ID).any(axis=1).sum())
-    same = (
-        {  # the phased search's tokens against one loop's, row by row
-            "beam": int((outputs["beam"] == outputs["beam, one loop"]).all(axis=1).sum())
-        }
-        if args.one_loop
-        else {}
-    )
+    same = {}  # the phased search's tokens against one loop's, row by row
+    if args.one_loop:
+        same["beam"] = int((outputs["beam"] == outputs["beam, one loop"]).all(axis=1).sum())
     times = {name: [] for name in searches}
     for _ in range(args.repeats):
         for name, fn in searches.items():
