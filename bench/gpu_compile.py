@@ -79,8 +79,11 @@ def compile_only_mesh(target: str):
     return jax.sharding.Mesh(devices, sharding.MESH_AXES)
 
 
-def compile_step(name: str, dtype: str, impl: str, overrides: dict, mesh) -> tuple:
-    """(compiled train step, config, vocabulary size, seconds to compile) of one setting."""
+def compile_step(
+    name: str, dtype: str, impl: str, overrides: dict, mesh, backend: str = "gpu"
+) -> tuple:
+    """(compiled train step, config, vocabulary size, seconds to compile) of one setting, traced
+    as if `jax.default_backend()` were `backend` (the platform of the mesh's devices)."""
     import jax
 
     from xformer import train_lib
@@ -97,7 +100,7 @@ def compile_step(name: str, dtype: str, impl: str, overrides: dict, mesh) -> tup
         batch = jax.tree.map(on(exp.batch_sharding), host_batch)
         step = jax.jit(functools.partial(train_lib.train_step, task), donate_argnums=0)
         start = time.perf_counter()
-        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        with mock.patch.object(jax, "default_backend", lambda: backend):
             lowered = step.lower(state, rng_state, batch)
         compiled = lowered.compile()
     return compiled, config, vocab, time.perf_counter() - start
