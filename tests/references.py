@@ -71,8 +71,10 @@ def numpy_bias(scheme, name, q, k, qi, kj, layout, h, layer):
 
 
 def linear(module, inputs: np.ndarray) -> np.ndarray:
-    out = inputs @ value(module.kernel)
-    return out if module.bias is None else out + value(module.bias)
+    """A Linear, or Projections with its n outputs side by side: [..., in] -> [..., n * out]."""
+    kernel = value(module.kernel)
+    out = inputs @ kernel.reshape(kernel.shape[0], -1)
+    return out if module.bias is None else out + value(module.bias).reshape(-1)
 
 
 def numpy_attention(attn, scheme, name, x, memory, layout, mask, layer, context=None):

@@ -65,8 +65,9 @@ def test_self_attention_module_matches_numpy():
     )
     x = rng.standard_normal((2, 6, 16)).astype(np.float32)
     mask = np.tril(np.ones((6, 6), bool))[None, None].repeat(2, 0)
-    qkv = x @ np.asarray(attn.qkv_proj.kernel[...]) + np.asarray(attn.qkv_proj.bias[...])
-    q, k, v = (qkv[..., i * 16 : (i + 1) * 16].reshape(2, 6, 4, 4) for i in range(3))
+    kernel, bias = np.asarray(attn.qkv_proj.kernel[...]), np.asarray(attn.qkv_proj.bias[...])
+    assert kernel.shape == (16, 3, 16) and bias.shape == (3, 16)  # [d, q/k/v, H * D]
+    q, k, v = ((x @ kernel[:, i] + bias[i]).reshape(2, 6, 4, 4) for i in range(3))
     ref = numpy_attention(q, k, v, mask).reshape(2, 6, 16)
     ref = ref @ np.asarray(attn.out_proj.kernel[...]) + np.asarray(attn.out_proj.bias[...])
     np.testing.assert_allclose(attn(jnp.asarray(x), jnp.asarray(mask)), ref, rtol=1e-4, atol=1e-5)

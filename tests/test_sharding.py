@@ -133,7 +133,8 @@ def test_meshes_train_like_one_device_and_checkpoints_move_between_them(tmp_path
     """Both families, 3 steps in float64 from the same start and batches (XL memory carried):
     on each mesh of MESHES every metric, parameter, Adam moment and memory equals the
     one-device run (TOLERANCE of test_grad_accum: only summation order differs). Each
-    parameter's sharding is its rules' (qkv [d, 3d] is ("fsdp", "tensor") on fsdp2_tensor4), and
+    parameter's sharding is its rules' (qkv [d, 3, d] is ("fsdp", None, "tensor") on
+    fsdp2_tensor4), and
     per-device parameter + Adam bytes are at least 85% of the way to total / (fsdp x tensor).
     Checkpoints: the one-device final state restores onto fsdp2_tensor4 and data8 with their
     shardings; one saved on a 4-device fsdp mesh restores onto a 2-device data mesh and the
@@ -176,7 +177,7 @@ def test_meshes_train_like_one_device_and_checkpoints_move_between_them(tmp_path
             got = np.load(tmp_path / f"{family}_fsdp2_tensor4.npz")
             for key, value in _leaves(state).items():
                 np.testing.assert_array_equal(value, got[f"2/[0]{key}"], err_msg=key)
-        assert report["specs"]["translation_fsdp2_tensor4"]["qkv"] == ["fsdp", "tensor"]
+        assert report["specs"]["translation_fsdp2_tensor4"]["qkv"] == ["fsdp", None, "tensor"]
         assert report["specs"]["translation_data2_tensor4"]["ffn_down"] == ["tensor", None]
         assert report["specs"]["translation_data2_fsdp4"]["ffn_down"] == [None, "fsdp"]
         for family in FAMILIES:

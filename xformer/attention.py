@@ -16,7 +16,7 @@ from flax import nnx
 from xformer import precision
 from xformer.dropout import Dropout
 from xformer.layout import Layout
-from xformer.linear import Linear
+from xformer.linear import Linear, Projections
 from xformer.positional.base import BoundScheme
 
 IMPLEMENTATIONS = ("xla", "fused")  # model.attention_impl
@@ -151,7 +151,8 @@ def _without_empty_rows(q, mask, bias):
 class MultiHeadAttention(nnx.Module):
     """kind "self": one fused q/k/v projection; "memory": self-attention whose keys may also
     cover a memory of earlier states (separate q and k/v projections); "cross": queries from
-    the decoder, keys and values from the encoder output."""
+    the decoder, keys and values from the encoder output. `split_heads`: the device mesh splits
+    the heads (see linear.Projections)."""
 
     def __init__(
         self,
@@ -162,6 +163,7 @@ class MultiHeadAttention(nnx.Module):
         dropout: float,
         use_bias: bool = True,
         implementation: str = "xla",
+        split_heads: bool = False,
         dtype: jnp.dtype | None = None,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -171,22 +173,23 @@ class MultiHeadAttention(nnx.Module):
         self.num_heads, self.head_dim, self.kind = num_heads, d_model // num_heads, kind
         self.implementation = implementation
         linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        heads = dict(axes=("embed", "heads"), **linear)
         if kind == "self":
-            self.qkv_proj = Linear(d_model, 3 * d_model, axes=("embed", "heads"), **linear)
+            self.qkv_proj = Projections(d_model, 3, d_model, split_heads=split_heads, **heads)
         else:
-            self.q_proj = Linear(d_model, d_model, axes=("embed", "heads"), **linear)
-            self.kv_proj = Linear(d_model, 2 * d_model, axes=("embed", "heads"), **linear)
+            self.q_proj = Linear(d_model, d_model, **heads)
+            self.kv_proj = Projections(d_model, 2, d_model, split_heads=split_heads, **heads)
         self.out_proj = Linear(d_model, d_model, axes=("heads", "embed"), **linear)
         self.dropout = Dropout(dropout, rngs=rngs)
 
-    def _heads(self, x: jax.Array, n: int) -> list[jax.Array]:
-        """[B, L, n*H*D] -> n arrays [B, L, H, D]."""
-        x = x.reshape(*x.shape[:-1], n, self.num_heads, self.head_dim)
-        return [x[..., i, :, :] for i in range(n)]
+    def _heads(self, x: jax.Array) -> list[jax.Array]:
+        """[B, L, n, H*D] (Projections) or [B, L, H*D] (n = 1) -> n arrays [B, L, H, D]."""
+        x = x.reshape(*x.shape[:2], -1, self.num_heads, self.head_dim)
+        return [x[:, :, i] for i in range(x.shape[2])]
 
     def project_kv(self, states: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values [B, L, H, D] of states [B, L, d]."""
-        return tuple(self._heads(self.kv_proj(states), 2))
+        return tuple(self._heads(self.kv_proj(states)))
 
     def init_cross_cache(self, encoded: jax.Array) -> dict:
         """Cross-attention's keys and values of encoded [B, Ls, d] for decoding, computed once
@@ -203,8 +206,8 @@ class MultiHeadAttention(nnx.Module):
 
     def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         if self.kind == "self":
-            return tuple(self._heads(self.qkv_proj(x), 3))
-        return self._heads(self.q_proj(x), 1)[0], *self.project_kv(x)
+            return tuple(self._heads(self.qkv_proj(x)))
+        return self._heads(self.q_proj(x))[0], *self.project_kv(x)
 
     def __call__(
         self,
@@ -223,10 +226,10 @@ class MultiHeadAttention(nnx.Module):
         Cross-attention: keys from encoded [B, Lk, d] or their precomputed kv ([B, Lk, H, D]).
         """
         if self.kind == "cross":
-            q = self._heads(self.q_proj(x), 1)[0]
+            q = self._heads(self.q_proj(x))[0]
             k, v = kv if kv is not None else self.project_kv(encoded)
         elif memory is not None:
-            q = self._heads(self.q_proj(x), 1)[0]
+            q = self._heads(self.q_proj(x))[0]
             k, v = self.project_kv(jnp.concatenate([memory, x], axis=1))
         else:
             q, k, v = self._qkv(x)

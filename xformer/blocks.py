@@ -37,6 +37,7 @@ def attention(cfg, kind: str, *, use_bias: bool = True, rngs: nnx.Rngs) -> Multi
         dropout=cfg.attention_dropout,
         use_bias=use_bias,
         implementation=cfg.attention_impl,
+        split_heads=cfg.split_heads,
         **cfg.dtypes,
         rngs=rngs,
     )

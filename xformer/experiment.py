@@ -166,6 +166,7 @@ def setup(
     """Mesh, model graphs, optimizer and checkpointer for a validated config."""
     config_lib.check_devices(config, jax.device_count(), jax.process_count())
     mesh = sharding.make_mesh(config.mesh)
+    model_cfg = dataclasses.replace(model_cfg, split_heads=mesh.shape["tensor"] > 1)
     os.makedirs(workdir, exist_ok=True)
     model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=model_rngs(0)))
     train_graphdef, abstract_params, _ = nnx.split(model, nnx.Param, ...)

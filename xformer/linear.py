@@ -10,6 +10,7 @@ took 544 ms vs 1,102 ms. The parameters are nnx.Linear's, so checkpoints are unc
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from xformer.sharding import logical
@@ -47,3 +48,61 @@ class Linear(nnx.Linear):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return over_rows(super().__call__, x)
+
+
+
+class Projections(nnx.Module):
+    """`n` projections of one input (attention's q/k/v or k/v): x [..., in_features] ->
+    [..., n, out_features], one matmul.
+
+    The kernel is [in, n, out] and the bias [n, out], so that a tensor split of `out` (the heads)
+    gives every device the same heads of all n projections. A [in, n * out] kernel split in
+    contiguous column blocks would give a device, say, q's last heads and k's first, and GSPMD
+    would gather and permute activations in every layer to give attention its heads.
+
+    `split_heads` (the mesh splits heads): the matmul keeps the [in, n, out] form, so that its
+    result comes out split as attention wants it. Otherwise it reads the kernel as
+    [in, n * out] (the same bytes): XLA:GPU then applies the bias in the GEMM's epilogue and
+    XLA:CPU computes the weight gradient without transposing its operands, neither of which
+    they do for the 3-D form. The kernel is drawn as nnx.Linear's of n * out features is.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        n: int,
+        out_features: int,
+        *,
+        axes: tuple[str | None, str | None] = (None, None),
+        split_heads: bool = False,
+        use_bias: bool = True,
+        dtype: jnp.dtype | None = None,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        def flat(init: Callable) -> Callable:  # the draws of a [..., n * out] parameter
+            def draw(key, shape, dtype):
+                return init(key, (*shape[:-2], shape[-2] * shape[-1]), dtype).reshape(shape)
+
+            return draw
+
+        kernel = logical(flat(nnx.nn.linear.default_kernel_init), axes[0], None, axes[1])
+        self.kernel = nnx.Param(kernel(rngs.params(), (in_features, n, out_features), param_dtype))
+        self.bias = nnx.data(None)
+        if use_bias:
+            bias = logical(nnx.initializers.zeros_init(), None, axes[1])
+            self.bias = nnx.Param(bias(rngs.params(), (n, out_features), param_dtype))
+        self.split_heads, self.dtype = split_heads, dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        bias = None if self.bias is None else self.bias[...]
+        x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.split_heads:
+            y = jax.lax.dot_general(rows, kernel, (((1,), (0,)), ((), ())))
+        else:
+            y = rows @ kernel.reshape(kernel.shape[0], -1)
+            bias = None if bias is None else bias.reshape(-1)
+        y = y if bias is None else y + bias
+        return y.reshape(*x.shape[:-1], *kernel.shape[1:])

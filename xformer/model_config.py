@@ -72,6 +72,8 @@ class StackConfig:
         "full (keep layer inputs only) or dots (keep matmul outputs)",
         ("none", "full", "dots"),
     )
+    # Not a config key: the device mesh splits the heads (mesh.tensor > 1; experiment.setup).
+    split_heads: bool = False
 
     @classmethod
     def fields(cls) -> dict[str, dataclasses.Field]:
@@ -184,5 +186,9 @@ def from_config(model: Mapping[str, Any], **data_fields: int) -> StackConfig:
         name: tuple(model[name]) if isinstance(model[name], list) else model[name]
         for name in cls.fields()
     }
-    unset = {f.name: 0 for f in dataclasses.fields(cls) if f.name not in values}
+    unset = {
+        f.name: 0
+        for f in dataclasses.fields(cls)
+        if f.name not in values and f.default is dataclasses.MISSING
+    }
     return cls(**values, **{**unset, **data_fields})
