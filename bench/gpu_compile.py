@@ -35,8 +35,8 @@ the target's. The floor bounds MFU from above: analytic FLOPs / floor / peak.
 
 import argparse
 import collections
-import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
@@ -44,6 +44,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from unittest import mock
 
 import gpu_throughput as gt
@@ -57,6 +58,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CUBLAS = "--xla_gpu_enable_triton_gemm=false"
 # The results of cuDNN's attention backward calls: (dq, dk, dv, [dbias,] workspace).
 CUDNN_BACKWARD = re.compile(r"= \(([^)]*)\) custom-call\([^\n]*__cudnn\$fmha\w*Backward")
+
+
+def settings(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
+    """(model, dtype, attention_impl) of every combination of --configs, --dtype and --impl."""
+    return itertools.product(*(getattr(args, k).split(",") for k in ("configs", "dtype", "impl")))
 
 
 def compile_only_mesh(target: str):
@@ -93,7 +99,7 @@ def compile_step(
         task = gt.make_task(config, vocab, workdir)
         host_batch = gt.synthetic_batches(config, vocab, 1)[0]
         carry = task.init_carry()  # on the CPU: only its shapes are used
-        task.exp = exp = dataclasses.replace(task.exp, mesh=mesh)
+        task.exp = exp = task.exp.on_mesh(mesh)
         on = lambda where: lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)  # noqa: E731
         state = {**exp.abstract_state(), "carry": jax.tree.map(on(exp.batch_sharding), carry)}
         rng_state = jax.tree.map(on(exp.replicated), exp.rng_state)
@@ -159,50 +165,46 @@ def main() -> None:
     )
     overrides = gt.parse_overrides(args.set)
     results = []
-    for name in args.configs.split(","):
-        for dtype in args.dtype.split(","):
-            for impl in args.impl.split(","):
-                compiled, config, vocab, seconds = compile_step(
-                    name, dtype, impl, overrides[name], mesh
-                )
-                hlo = compiled.as_text()
-                if args.hlo_dir:
-                    os.makedirs(args.hlo_dir, exist_ok=True)
-                    with open(os.path.join(args.hlo_dir, f"{name}_{dtype}_{impl}.hlo"), "w") as f:
-                        f.write(hlo)
-                memory = compiled.memory_analysis()
-                step_bytes = gt.compiled_step_bytes(compiled)
-                ops = op_profile.kernels(hlo, costliest=not args.cheapest_branch)
-                floors = op_profile.floors(ops, peak * 1e12, bandwidth, top=args.top)
-                analytic = gt.model_flops(config, vocab).total
-                result = {
-                    "model": name,
-                    "dtype": dtype,
-                    "attention_impl": impl,
-                    "compile_s": seconds,
-                    **census(ops, hlo),
-                    "step_gib": step_bytes / 2**30,
-                    "temp_gib": memory.temp_size_in_bytes / 2**30,
-                    "flops_analytic": analytic,
-                    "mfu_bound": analytic / (floors["floor_ms"] * 1e-3) / (peak * 1e12),
-                    "floors": floors,
-                }
-                results.append(result)
-                print(
-                    f"\n## {name} {dtype} {impl}: compiled in {seconds:.0f} s; "
-                    f"{result['kernels']:,.0f} kernels {result['by_kind']}; "
-                    f"{result['copies']:,.0f} copies ({result['copy_gb']:.2f} GB); "
-                    f"{result['cudnn_attention_calls']} cuDNN attention calls "
-                    f"({result['cudnn_bias_gradients']} backward with a bias gradient); "
-                    f"step memory "
-                    f"{result['step_gib']:.2f} GiB ({result['temp_gib']:.2f} temporaries); "
-                    f"{analytic / 1e12:.2f} TFLOP analytic: MFU <= {result['mfu_bound']:.1%}\n",
-                    flush=True,
-                )
-                print(op_profile.format_floors(floors), flush=True)
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(results, f, indent=1)
+    for name, dtype, impl in settings(args):
+        compiled, config, vocab, seconds = compile_step(name, dtype, impl, overrides[name], mesh)
+        hlo = compiled.as_text()
+        if args.hlo_dir:
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            with open(os.path.join(args.hlo_dir, f"{name}_{dtype}_{impl}.hlo"), "w") as f:
+                f.write(hlo)
+        memory = compiled.memory_analysis()
+        step_bytes = gt.compiled_step_bytes(compiled)
+        ops = op_profile.kernels(hlo, costliest=not args.cheapest_branch)
+        floors = op_profile.floors(ops, peak * 1e12, bandwidth, top=args.top)
+        analytic = gt.model_flops(config, vocab).total
+        result = {
+            "model": name,
+            "dtype": dtype,
+            "attention_impl": impl,
+            "compile_s": seconds,
+            **census(ops, hlo),
+            "step_gib": step_bytes / 2**30,
+            "temp_gib": memory.temp_size_in_bytes / 2**30,
+            "flops_analytic": analytic,
+            "mfu_bound": analytic / (floors["floor_ms"] * 1e-3) / (peak * 1e12),
+            "floors": floors,
+        }
+        results.append(result)
+        print(
+            f"\n## {name} {dtype} {impl}: compiled in {seconds:.0f} s; "
+            f"{result['kernels']:,.0f} kernels {result['by_kind']}; "
+            f"{result['copies']:,.0f} copies ({result['copy_gb']:.2f} GB); "
+            f"{result['cudnn_attention_calls']} cuDNN attention calls "
+            f"({result['cudnn_bias_gradients']} backward with a bias gradient); "
+            f"step memory "
+            f"{result['step_gib']:.2f} GiB ({result['temp_gib']:.2f} temporaries); "
+            f"{analytic / 1e12:.2f} TFLOP analytic: MFU <= {result['mfu_bound']:.1%}\n",
+            flush=True,
+        )
+        print(op_profile.format_floors(floors), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

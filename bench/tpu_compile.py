@@ -102,49 +102,47 @@ def main() -> None:
     )
     overrides = gt.parse_overrides(args.set)
     results = []
-    for name in args.configs.split(","):
-        for dtype in args.dtype.split(","):
-            for impl in args.impl.split(","):
-                compiled, config, vocab, seconds = gpu_compile.compile_step(
-                    name, dtype, impl, overrides[name], mesh, backend="tpu"
-                )
-                hlo = compiled.as_text()
-                step_gib = gt.compiled_step_bytes(compiled) / 2**30
-                flops = (compiled.cost_analysis() or {}).get("flops", 0.0)
-                analytic = gt.model_flops(config, vocab).total
-                result = {
-                    "model": name,
-                    "dtype": dtype,
-                    "attention_impl": impl,
-                    "topology": args.topology,
-                    "mesh": dict(mesh.shape),
-                    "device": device,
-                    "compile_s": seconds,
-                    "step_gib_per_chip": step_gib,
-                    "temp_gib_per_chip": compiled.memory_analysis().temp_size_in_bytes / 2**30,
-                    "hbm_gib": hbm,
-                    "xla_tflop_per_chip": flops / 1e12,
-                    "analytic_tflop": analytic / 1e12,
-                    "flop_floor_ms": flops / (peak * 1e12) * 1e3 if peak else None,
-                    "collectives": collectives(hlo),
-                }
-                results.append(result)
-                fits = "" if hbm is None else f" of {hbm} GiB ({step_gib / hbm:.0%})"
-                comms = ", ".join(
-                    f"{c['count']} {kind} ({c['gb']:.2f} GB)"
-                    for kind, c in sorted(result["collectives"].items())
-                )
-                print(
-                    f"{name} {dtype} {impl}: compiled in {seconds:.0f} s; step memory "
-                    f"{step_gib:.2f} GiB per chip{fits}; XLA {flops / 1e12:.2f} TFLOP per chip "
-                    f"(analytic {analytic / 1e12:.2f} in all), "
-                    f"{result['flop_floor_ms'] or float('nan'):.1f} ms at peak; "
-                    f"collectives: {comms or 'none'}",
-                    flush=True,
-                )
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(results, f, indent=1)
+    for name, dtype, impl in gpu_compile.settings(args):
+        compiled, config, vocab, seconds = gpu_compile.compile_step(
+            name, dtype, impl, overrides[name], mesh, backend="tpu"
+        )
+        hlo = compiled.as_text()
+        step_gib = gt.compiled_step_bytes(compiled) / 2**30
+        flops = (compiled.cost_analysis() or {}).get("flops", 0.0)
+        analytic = gt.model_flops(config, vocab).total
+        result = {
+            "model": name,
+            "dtype": dtype,
+            "attention_impl": impl,
+            "topology": args.topology,
+            "mesh": dict(mesh.shape),
+            "device": device,
+            "compile_s": seconds,
+            "step_gib_per_chip": step_gib,
+            "temp_gib_per_chip": compiled.memory_analysis().temp_size_in_bytes / 2**30,
+            "hbm_gib": hbm,
+            "xla_tflop_per_chip": flops / 1e12,
+            "analytic_tflop": analytic / 1e12,
+            "flop_floor_ms": flops / (peak * 1e12) * 1e3 if peak else None,
+            "collectives": collectives(hlo),
+        }
+        results.append(result)
+        fits = "" if hbm is None else f" of {hbm} GiB ({step_gib / hbm:.0%})"
+        comms = ", ".join(
+            f"{c['count']} {kind} ({c['gb']:.2f} GB)"
+            for kind, c in sorted(result["collectives"].items())
+        )
+        print(
+            f"{name} {dtype} {impl}: compiled in {seconds:.0f} s; step memory "
+            f"{step_gib:.2f} GiB per chip{fits}; XLA {flops / 1e12:.2f} TFLOP per chip "
+            f"(analytic {analytic / 1e12:.2f} in all), "
+            f"{result['flop_floor_ms'] or float('nan'):.1f} ms at peak; "
+            f"collectives: {comms or 'none'}",
+            flush=True,
+        )
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,18 @@ def test_projections_draw_the_kernel_of_a_linear_of_n_times_the_features():
     assert proj.bias[...].shape == (3, 16) and not np.any(proj.bias[...])
 
 
+def test_a_checkpoint_of_the_side_by_side_kernel_is_refused_with_its_cause(tmp_path):
+    from xformer.checkpoint import Checkpointer
+
+    old = {"kernel": jnp.asarray(np.random.default_rng().normal(size=(8, 24)))}
+    checkpointer = Checkpointer(str(tmp_path))
+    checkpointer.save(1, old)
+    checkpointer.close()
+    cause = r"until 2026-11-27 attention's q/k/v kernels were \[d, 3d\]"
+    with pytest.raises(ValueError, match=cause):
+        Checkpointer(str(tmp_path)).restore({"kernel": jnp.zeros((8, 3, 8))})
+
+
 def test_split_heads_attention_needs_no_gathers(tmp_path):
     run_script(__file__, 4, str(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text())

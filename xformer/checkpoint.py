@@ -91,12 +91,13 @@ class Checkpointer:
         """Restore onto `target` (a pytree of arrays or ShapeDtypeStructs with shardings)."""
         step = self._step(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
-            ),
-        )
+        with explained_shape_errors(self.manager.directory):
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+                ),
+            )
         data = restored["data"]
         if "per_process" not in data:  # written before per-process states (one process)
             return restored["state"], data
@@ -123,6 +124,21 @@ class Checkpointer:
         """Wait for the last save to finish, then release the manager."""
         self.wait()
         self.manager.close()
+
+
+@contextlib.contextmanager
+def explained_shape_errors(directory: object) -> Iterator[None]:
+    """Orbax's error for a stored array of another shape, with its likely causes."""
+    try:
+        yield
+    except ValueError as error:
+        if "not compatible with the stored shape" not in str(error):
+            raise
+        raise ValueError(
+            f"{error}\nThe checkpoints in {directory} hold parameters of other shapes than this "
+            "model's: another model config, or an earlier xformer (until 2026-11-27 attention's "
+            "q/k/v kernels were [d, 3d] and its k/v kernels [d, 2d]; now [d, 3, d], [d, 2, d])"
+        ) from error
 
 
 def read_state(workdir: str, step: int) -> dict:

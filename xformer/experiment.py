@@ -107,6 +107,21 @@ class Experiment:
             "opt_state": jax.eval_shape(self.tx.init, self.abstract_params),
         }
 
+    def on_mesh(self, mesh: Mesh) -> "Experiment":
+        """This experiment for another mesh of the same axes, e.g. compile-only devices
+        (bench/gpu_compile.py); rng_state stays where it is."""
+        model_cfg, _, train, params, evaluation = _model_graphs(
+            self.model_cls, self.model_cfg, mesh
+        )
+        return dataclasses.replace(
+            self,
+            mesh=mesh,
+            model_cfg=model_cfg,
+            train_graphdef=train,
+            abstract_params=params,
+            eval_graphdef=evaluation,
+        )
+
     def graphdef_for(self, model_cfg: Any) -> nnx.GraphDef:
         """An evaluation graph for a variant of the model config with the same parameters
         (e.g. Transformer-XL evaluated with another clamp_len)."""
@@ -120,6 +135,17 @@ def model_rngs(seed: int) -> nnx.Rngs:
     step re-keys it every step with `nnx.reseed(model, dropout=...)`, which ignores streams that
     fell back to "default" (those would repeat the same dropout masks at every step)."""
     return nnx.Rngs(params=seed, dropout=seed)
+
+
+def _model_graphs(model_cls: type[nnx.Module], model_cfg: Any, mesh: Mesh) -> tuple:
+    """(model config for this mesh, abstract model, train graph, abstract parameters, evaluation
+    graph). The config's split_heads says whether the mesh splits attention heads."""
+    model_cfg = dataclasses.replace(model_cfg, split_heads=mesh.shape["tensor"] > 1)
+    model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=model_rngs(0)))
+    train_graphdef, abstract_params, _ = nnx.split(model, nnx.Param, ...)
+    model.eval()
+    eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
+    return model_cfg, model, train_graphdef, abstract_params, eval_graphdef
 
 
 def _dropout_stream_state(model: nnx.Module, mesh: Mesh) -> nnx.State:
@@ -166,12 +192,10 @@ def setup(
     """Mesh, model graphs, optimizer and checkpointer for a validated config."""
     config_lib.check_devices(config, jax.device_count(), jax.process_count())
     mesh = sharding.make_mesh(config.mesh)
-    model_cfg = dataclasses.replace(model_cfg, split_heads=mesh.shape["tensor"] > 1)
     os.makedirs(workdir, exist_ok=True)
-    model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=model_rngs(0)))
-    train_graphdef, abstract_params, _ = nnx.split(model, nnx.Param, ...)
-    model.eval()
-    eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
+    model_cfg, model, train_graphdef, abstract_params, eval_graphdef = _model_graphs(
+        model_cls, model_cfg, mesh
+    )
     rng_state = _dropout_stream_state(model, mesh)
     return Experiment(
         config=config,

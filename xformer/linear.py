@@ -50,7 +50,6 @@ class Linear(nnx.Linear):
         return over_rows(super().__call__, x)
 
 
-
 class Projections(nnx.Module):
     """`n` projections of one input (attention's q/k/v or k/v): x [..., in_features] ->
     [..., n, out_features], one matmul.

@@ -12,6 +12,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from xformer.checkpoint import explained_shape_errors
 from xformer.experiment import Experiment
 
 
@@ -31,8 +32,11 @@ def restore_params(exp: Experiment, step: int | None = None) -> tuple[nnx.State,
         target,
     )
     path = os.path.join(os.fspath(manager.directory), str(step), "state")
-    restored = ocp.PyTreeCheckpointer().restore(
-        path,
-        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
-    )
+    with explained_shape_errors(manager.directory):
+        restored = ocp.PyTreeCheckpointer().restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args, partial_restore=True
+            ),
+        )
     return restored["params"], int(restored["step"])
