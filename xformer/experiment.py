@@ -139,8 +139,10 @@ def model_rngs(seed: int) -> nnx.Rngs:
 
 def _model_graphs(model_cls: type[nnx.Module], model_cfg: Any, mesh: Mesh) -> tuple:
     """(model config for this mesh, abstract model, train graph, abstract parameters, evaluation
-    graph). The config's split_heads says whether the mesh splits attention heads."""
-    model_cfg = dataclasses.replace(model_cfg, split_heads=mesh.shape["tensor"] > 1)
+    graph). A model config with split_heads (model_config.StackConfig) is told whether the mesh
+    splits attention heads."""
+    if hasattr(model_cfg, "split_heads"):
+        model_cfg = dataclasses.replace(model_cfg, split_heads=mesh.shape["tensor"] > 1)
     model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=model_rngs(0)))
     train_graphdef, abstract_params, _ = nnx.split(model, nnx.Param, ...)
     model.eval()
