@@ -6,6 +6,8 @@ fit in each chip's memory, and what does the sharded program communicate.
     JAX_PLATFORMS=cpu /tmp/tpu_compile/bin/python bench/tpu_compile.py   # wmt14 on one v5e chip
     JAX_PLATFORMS=cpu /tmp/tpu_compile/bin/python bench/tpu_compile.py \\
         --mesh 1,4,1 --configs wmt14,ptb_xl,wt103_xl
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python bench/tpu_compile.py \\
+        --topology cpu --mesh 1,1,4 --dtype float32 --impl xla       # the same, on CPU devices
 
 libtpu describes any TPU slice by name (`jax.experimental.topologies.get_topology_desc`); the
 step of bench/gpu_throughput.py (real configs, synthetic batches, state donated) is lowered onto
@@ -40,21 +42,24 @@ COLLECTIVE = re.compile(
 
 
 def compile_only_mesh(topology_name: str, mesh_sizes: tuple[int, ...]):
-    """A (data, fsdp, tensor) mesh over compile-only chips of the named TPU slice: all of them
-    if a size is -1, else its first data x fsdp x tensor."""
+    """A (data, fsdp, tensor) mesh over compile-only chips of the named TPU slice ("cpu": this
+    host's CPU devices): all of them if a size is -1, else its first data x fsdp x tensor."""
     import jax
     from jax.experimental import topologies
 
     from xformer import sharding
 
-    try:
-        topology = topologies.get_topology_desc(topology_name=topology_name, platform="tpu")
-    except (NotImplementedError, RuntimeError, ValueError) as error:
-        raise SystemExit(
-            f"no compile-only TPU devices for {topology_name!r} ({error}); install "
-            "jax[tpu] of this jax's version (see this script's docstring)"
-        ) from error
-    devices = topology.devices
+    if topology_name == "cpu":
+        devices = jax.devices("cpu")
+    else:
+        try:
+            topology = topologies.get_topology_desc(topology_name=topology_name, platform="tpu")
+        except (NotImplementedError, RuntimeError, ValueError) as error:
+            raise SystemExit(
+                f"no compile-only TPU devices for {topology_name!r} ({error}); install "
+                "jax[tpu] of this jax's version (see this script's docstring)"
+            ) from error
+        devices = topology.devices
     if -1 not in mesh_sizes:  # the first chips of the slice
         devices = devices[: int(np.prod(mesh_sizes))]
     shape = dict(zip(sharding.MESH_AXES, mesh_sizes, strict=True))
@@ -79,7 +84,12 @@ def main() -> None:
     parser.add_argument("--configs", default="wmt14", help=f"of {list(gt.MODELS)}")
     parser.add_argument("--dtype", default="bfloat16", help="model.dtype(s), comma-separated")
     parser.add_argument("--impl", default="fused", help="model.attention_impl(s)")
-    parser.add_argument("--topology", default="v5e:2x2", help="e.g. v4:2x2x1, v5e:2x4, v6e:4x4")
+    parser.add_argument(
+        "--topology",
+        default="v5e:2x2",
+        help="e.g. v4:2x2x1, v5e:2x4, v6e:4x4; cpu: this host's CPU devices (the same SPMD "
+        "partitioner; XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N)",
+    )
     parser.add_argument(
         "--mesh", default="1,1,1", help="data,fsdp,tensor sizes (-1: the slice's other chips)"
     )
@@ -104,7 +114,7 @@ def main() -> None:
     results = []
     for name, dtype, impl in gpu_compile.settings(args):
         compiled, config, vocab, seconds = gpu_compile.compile_step(
-            name, dtype, impl, overrides[name], mesh, backend="tpu"
+            name, dtype, impl, overrides[name], mesh, backend=mesh.devices.flat[0].platform
         )
         hlo = compiled.as_text()
         step_gib = gt.compiled_step_bytes(compiled) / 2**30
