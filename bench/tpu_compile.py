@@ -22,10 +22,8 @@ attention takes jax.nn.dot_product_attention's XLA implementation there, as on a
 """
 
 import argparse
-import collections
 import json
 import os
-import re
 import shlex
 import sys
 
@@ -35,10 +33,6 @@ import numpy as np
 
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95}
 HBM_GIB |= {"TPU v6 lite": 32, "TPU v6e": 32}
-# Collective instructions of the optimized HLO, async starts counted once.
-COLLECTIVE = re.compile(
-    r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
-)
 
 
 def compile_only_mesh(topology_name: str, mesh_sizes: tuple[int, ...]):
@@ -68,17 +62,6 @@ def compile_only_mesh(topology_name: str, mesh_sizes: tuple[int, ...]):
     return jax.sharding.Mesh(devices, sharding.MESH_AXES)
 
 
-def collectives(hlo: str) -> dict[str, dict]:
-    """{kind: {"count", "gb"}} of the collectives in an optimized HLO text (result bytes)."""
-    from xformer import op_profile
-
-    found = collections.defaultdict(lambda: {"count": 0, "gb": 0.0})
-    for shape, kind in COLLECTIVE.findall(hlo):
-        found[kind]["count"] += 1
-        found[kind]["gb"] += op_profile._bytes(shape) / 1e9
-    return dict(found)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="wmt14", help=f"of {list(gt.MODELS)}")
@@ -98,6 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
+
+    from xformer import op_profile
 
     print("command:", shlex.join(["python", "bench/tpu_compile.py", *sys.argv[1:]]), flush=True)
     mesh = compile_only_mesh(args.topology, tuple(int(s) for s in args.mesh.split(",")))
@@ -134,7 +119,7 @@ def main() -> None:
             "xla_tflop_per_chip": flops / 1e12,
             "analytic_tflop": analytic / 1e12,
             "flop_floor_ms": flops / (peak * 1e12) * 1e3 if peak else None,
-            "collectives": collectives(hlo),
+            "collectives": op_profile.collectives(hlo),
         }
         results.append(result)
         fits = "" if hbm is None else f" of {hbm} GiB ({step_gib / hbm:.0%})"

@@ -192,6 +192,24 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
     return ops
 
 
+def collectives(hlo: str) -> dict[str, dict]:
+    """{kind: {"count", "gb"}}: the collective instructions of an optimized HLO, wherever they
+    are (XLA:TPU puts its reduce-scatters in fusions) and each once (a loop body's once, an
+    async start/done pair once), and the GB of their results: what each device receives."""
+    found: dict[str, dict] = {}
+    for op in parse_hlo(hlo).values():
+        kind = op.opcode.removesuffix("-start")
+        if kind not in COLLECTIVES:
+            continue
+        arrays = re.findall(r"[a-z]\w*\[[\d,]*\]", op.shape)
+        if op.opcode in ("all-gather-start", "collective-permute-start"):
+            arrays = arrays[1:2]  # (operand, result, ...): the result
+        entry = found.setdefault(kind, {"count": 0, "gb": 0.0})
+        entry["count"] += 1
+        entry["gb"] += sum(_bytes(a) for a in arrays) / 1e9
+    return found
+
+
 SLICES = ("slice", "dynamic-slice", "gather")
 VIEWS = ("bitcast", "reshape", "convert")  # element for element: slicing one reads as little
 
