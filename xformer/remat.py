@@ -21,6 +21,8 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from xformer.sharding import constrain_rows
+
 POLICIES: dict[str, Callable | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -39,8 +41,9 @@ def apply_layer(
     """
     if remat not in POLICIES:
         raise ValueError(f"model.remat={remat!r} not in {tuple(POLICIES)}")
+    x = constrain_rows(x)
     if POLICIES[remat] is None:
-        return call(layer, x)
+        return constrain_rows(call(layer, x))
     graphdef, state = nnx.split(layer)
 
     @functools.partial(jax.checkpoint, policy=POLICIES[remat])
@@ -50,4 +53,4 @@ def apply_layer(
 
     y, state = run(state, x)
     nnx.update(layer, state)
-    return y
+    return constrain_rows(y)

@@ -15,7 +15,7 @@ from absl import logging
 from flax import nnx
 
 from xformer import config as config_lib
-from xformer import distributed, faults, op_profile, provenance
+from xformer import distributed, faults, op_profile, provenance, sharding
 from xformer import experiment as experiment_lib
 from xformer import flops as flops_lib
 from xformer.dispatch import DispatchWindow
@@ -67,7 +67,8 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
             # scan, the caller's would belong to an outer trace)
             model = nnx.merge(exp.train_graphdef, params, rng_state, copy=True)
             nnx.reseed(model, dropout=key)
-            loss_sum, sums, carry_out = task.loss_terms(model, rows, carry)
+            loss_terms = sharding.traced_on(exp.mesh, task.loss_terms)
+            loss_sum, sums, carry_out = loss_terms(model, rows, carry)
             return loss_sum, ({"loss_sum": loss_sum, **sums}, carry_out)
 
         loss_sum, backward, (sums, carry_out) = jax.vjp(loss_fn, state["params"], has_aux=True)

@@ -163,7 +163,7 @@ class Translator:
         self.input_limit = min(max_input_tokens, self.max_positions or max_input_tokens)
         # The tokens come back on every device: each process reads every row of the batch.
         self._decode = jax.jit(
-            functools.partial(self._decode_fn, graphdef),
+            sharding.traced_on(batch_sharding.mesh, functools.partial(self._decode_fn, graphdef)),
             static_argnums=3,
             out_shardings=NamedSharding(batch_sharding.mesh, P()),
         )

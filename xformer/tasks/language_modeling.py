@@ -240,7 +240,7 @@ class LanguageModelingTask:
         if key not in self._eval_steps:
             graphdef = self.exp.graphdef_for(model_cfg)
             step_fn = functools.partial(eval_step, graphdef, score_last=s.sliding_stride or None)
-            self._eval_steps[key] = jax.jit(step_fn)
+            self._eval_steps[key] = jax.jit(sharding.traced_on(mesh, step_fn))
         step = self._eval_steps[key]
         sums = []  # per-batch (nll, tokens) on device; summed in float64 at the end
         window = DispatchWindow()

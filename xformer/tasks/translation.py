@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from xformer import distributed, model_config
+from xformer import distributed, model_config, sharding
 from xformer import experiment as experiment_lib
 from xformer.bleu import bleu_report
 from xformer.data.pipeline import (
@@ -147,7 +147,8 @@ class Evaluator:
         self.src_lines, self.ref_lines = split_text(c, split)
         pairs = EncodedPairs.from_text(self.src_lines, self.ref_lines, task.src_tok, task.tgt_tok)
         self.batches = padded_batches(pairs, c.eval.batch_size)
-        self._eval_step = jax.jit(functools.partial(_eval_step, self.exp.eval_graphdef))
+        step = functools.partial(_eval_step, self.exp.eval_graphdef)
+        self._eval_step = jax.jit(sharding.traced_on(self.exp.mesh, step))
         self.translator = task.translator()
         self.target_lang = c.data.target_lang
 
