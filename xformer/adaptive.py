@@ -12,11 +12,13 @@ NLL are in `precision.at_least_float32(dtype)` (float32 for bfloat16, float64 st
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from xformer import precision
@@ -25,7 +27,7 @@ from xformer.losses import (
     log_softmax_at_gradient,
     log_softmax_at_with_residuals,
 )
-from xformer.sharding import logical
+from xformer.sharding import logical, per_row_shard
 
 INIT = nnx.initializers.normal(0.02)
 
@@ -132,7 +134,9 @@ class AdaptiveLogSoftmax(nnx.Module):
     rows only (N = B * L; the positions whose target is in cluster i, padded), projection
     included. A batch with more than C such targets scores that cluster densely, all N
     positions, C rows at a time (lax.cond on the count), so the result is exact either way and
-    no [N, n_i] array is built. `log_probs` is always dense.
+    no [N, n_i] array is built. `log_probs` is always dense. Traced under a mesh that splits
+    batch rows (sharding.traced_on), each device gathers from its own N / shards positions, C
+    of its own, and overflows alone (sharding.per_row_shard).
     """
 
     def __init__(
@@ -228,16 +232,15 @@ class AdaptiveLogSoftmax(nnx.Module):
         dtype, acc = self._dtypes(hidden)
         shape, d = targets.shape, self.layout.d_model
         h, t = hidden.reshape(-1, d).astype(dtype), targets.reshape(-1)
-        n = t.shape[0]
-        cap = min(n, max(1, math.ceil(round(self.capacity * n, 6)))) if self.capacity else 0
         shortlist = self.layout.clusters[0][1]
         head_index, tails = jnp.clip(t, 0, shortlist - 1), []
         for i, (start, end) in enumerate(self.layout.clusters[1:], start=1):
             local, member = jnp.clip(t - start, 0, end - start - 1), (t >= start) & (t < end)
             head_index = jnp.where(member, shortlist + i - 1, head_index)  # the cluster's logit
             w, b, proj = self._cluster(i, dtype, acc)
-            if cap:
-                tails.append(_sparse_tail_logp(cap, h, w, b, proj, local, member))
+            if self.capacity:
+                sparse = functools.partial(_sparse_tail_logp, self.capacity)
+                tails.append(per_row_shard(sparse, (h, local, member), (w, b, proj)))
             else:
                 tails.append(_dense_tail_logp(h, w, b, proj, local, member))
         logp = log_softmax_at(_logits(h, *self._cluster(0, dtype, acc)), head_index)
@@ -292,8 +295,9 @@ def _compact(
     return rows, jnp.arange(size) < count, jnp.clip(slot, 0, size - 1), count > cap
 
 
-def _sparse_tail_logp(cap, h, w, b, proj, local, member) -> jax.Array:
-    """`_dense_tail_logp` [N] computed on the (at most cap) member rows only. With more members
+def _sparse_tail_logp(capacity, h, local, member, w, b, proj) -> jax.Array:
+    """`_dense_tail_logp` [N] computed on the (at most cap = ceil(capacity * N)) member rows
+    only. With more members
     it scores every row, a block of consecutive rows at a time, so that no [N, n] array is
     built either way. A custom VJP saves the gathered rows' log-softmax residuals [block, n]
     (`losses.log_softmax_at_with_residuals`) for the backward pass (lax.cond's own autodiff
@@ -303,10 +307,12 @@ def _sparse_tail_logp(cap, h, w, b, proj, local, member) -> jax.Array:
     members still overflow). bench/gpu_compile.py, wt103_xl bf16 fused on an H100 (cap 1,350
     -> blocks of 1,352): 10 pad kernels fewer, floor 22.01 -> 21.72 ms."""
     n, d = h.shape
+    cap = min(n, max(1, math.ceil(round(capacity * n, 6))))
     size = -(-cap // ROW_MULTIPLE) * ROW_MULTIPLE
     chunks = -(-n // size)
-    chunk_rows = jnp.minimum(jnp.arange(chunks * size, dtype=jnp.int32), n - 1).reshape(-1, size)
-    chunk_used = (jnp.arange(chunks * size) < n).reshape(-1, size)  # False: padding
+    # constants (numpy): the custom VJP's rules close over them
+    chunk_rows = np.minimum(np.arange(chunks * size, dtype=np.int32), n - 1).reshape(-1, size)
+    chunk_used = (np.arange(chunks * size) < n).reshape(-1, size)  # False: padding
 
     @jax.custom_vjp
     def tail_logp(h, w, b, proj, local, member):

@@ -125,7 +125,8 @@ class LMConfig(StackConfig):
     adaptive_capacity: float = option(
         0.0,
         "adaptive softmax: each tail cluster scores at most this fraction of the positions "
-        "(those whose target is in it); a batch that overflows is scored densely (0 = dense)",
+        "(those whose target is in it; each device's own when the mesh splits rows); a batch "
+        "that overflows is scored densely (0 = dense)",
     )
 
     @property

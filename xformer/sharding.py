@@ -103,9 +103,35 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *[P.UNCONSTRAINED] * (x.ndim - 1)))
 
 
+def per_row_shard(fn: Callable, rows: tuple, shared: tuple) -> Any:
+    """fn(*rows, *shared) computed by each device on its own rows, when traced under a mesh
+    (`traced_on`) that splits them: every array of `rows` [N, ...] and fn's results [N, ...]
+    are split over data x fsdp by dimension 0, `shared` is whole on every row shard (its
+    gradient summed over them); the tensor axis stays the partitioner's. Else fn on the whole.
+
+    For work that XLA's SPMD partitioner cannot split by rows itself: a gather of the rows
+    chosen by a cumulative count over all N (adaptive.py's capacity) runs whole on every
+    device."""
+    mesh = _row_mesh()
+    if mesh is None:
+        return fn(*rows, *shared)
+    row_spec = P(BATCH_AXES)
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(*[row_spec] * len(rows), *[P()] * len(shared)),
+        out_specs=row_spec,
+        axis_names=set(BATCH_AXES),
+        # fn may build values that do not vary over the shards inside per-shard control flow
+        # (adaptive.py's unused zero residuals); unchecked, shard_map still sums `shared`'s
+        # gradient over the shards (tests/test_adaptive.py checks it against one device)
+        check_vma=False,
+    )(*rows, *shared)
+
+
 def traced_on(mesh: Mesh, fn: Callable) -> Callable:
-    """fn, run with `mesh` as the context of `constrain_rows`: the function a step jits, or
-    one it calls while traced."""
+    """fn, run with `mesh` as the context of `constrain_rows` and `per_row_shard`: the function
+    a step jits, or one it calls while traced."""
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
