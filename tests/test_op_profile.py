@@ -432,6 +432,55 @@ def test_a_scatter_into_an_operand_moves_only_the_updated_elements():
     assert ops["from_zeros"].bytes == indices + updates + array
 
 
+COLLECTIVE_OPS = """HloModule jit_train_step
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %sum = bf16[] add(%a, %b)
+}
+
+%all-reduce-scatter.1 (input_0: bf16[512,2,512], input_1: bf16[512,512]) -> (bf16[128,2,512], bf16[128,512]) {
+  %input_0 = bf16[512,2,512]{2,0,1:T(8,128)(2,1)} parameter(0)
+  %input_1 = bf16[512,512]{1,0:T(8,128)(2,1)} parameter(1)
+  %all-reduce.7 = (bf16[512,2,512]{2,0,1:T(8,128)(2,1)}, bf16[512,512]{1,0:T(8,128)(2,1)}) all-reduce(%input_0, %input_1), channel_id=7, replica_groups={{0,1,2,3}}, to_apply=%add
+  %gte.0 = bf16[512,2,512]{2,0,1:T(8,128)(2,1)} get-tuple-element(%all-reduce.7), index=0
+  %gte.1 = bf16[512,512]{1,0:T(8,128)(2,1)} get-tuple-element(%all-reduce.7), index=1
+  %s.0 = bf16[128,2,512]{2,0,1} slice(%gte.0), slice={[0:128], [0:2], [0:512]}
+  %s.1 = bf16[128,512]{1,0} slice(%gte.1), slice={[0:128], [0:512]}
+  ROOT %t = (bf16[128,2,512]{2,0,1}, bf16[128,512]{1,0}) tuple(%s.0, %s.1)
+}
+
+ENTRY %main (w: bf16[512,2,512], v: bf16[512,512], x: f32[64,256], y: f32[16]) -> f32[64,1024] {
+  %w = bf16[512,2,512]{2,0,1} parameter(0)
+  %v = bf16[512,512]{1,0} parameter(1)
+  %x = f32[64,256]{1,0} parameter(2)
+  %y = f32[16]{0} parameter(3)
+  %scatter = (bf16[128,2,512]{2,0,1}, bf16[128,512]{1,0}) fusion(%w, %v), kind=kCustom, calls=%all-reduce-scatter.1
+  %all-gather-start = (f32[64,256]{1,0}, f32[64,1024]{1,0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={1}
+  %all-gather-done = f32[64,1024]{1,0} all-gather-done(%all-gather-start)
+  %combined = (f32[16]{0}, f32[16]{0}) all-reduce(%y, %y), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%add
+  %permute = (f32[16]{0}, f32[16]{0}, u32[], u32[]) collective-permute-start(%y), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  %permute-done = f32[16]{0} collective-permute-done(%permute)
+  ROOT %out = f32[64,1024]{1,0} copy(%all-gather-done)
+}
+"""  # noqa: E501 (HLO lines as XLA writes them)
+
+
+def test_collectives_are_counted_wherever_they_are_with_their_results_bytes():
+    """A combined (tuple) all-reduce, one inside a fusion (XLA:TPU's reduce-scatter), TPU tiled
+    layouts, async pairs counted once by their results (not their operands or sync flags)."""
+    found = op_profile.collectives(COLLECTIVE_OPS)
+    assert found.keys() == {"all-reduce", "all-gather", "collective-permute"}
+    assert found["all-reduce"]["count"] == 2
+    bf16, f32 = 2, 4
+    assert found["all-reduce"]["gb"] * 1e9 == pytest.approx(
+        (512 * 2 * 512 + 512 * 512) * bf16 + 2 * 16 * f32
+    )
+    assert found["all-gather"] == {"count": 1, "gb": pytest.approx(64 * 1024 * f32 / 1e9)}
+    assert found["collective-permute"] == {"count": 1, "gb": pytest.approx(16 * f32 / 1e9)}
+
+
 def test_self_times_nest_only_whole_enclosures():
     """A kernel that starts 0.1 us before the previous one ends (timestamps' rounding) is not
     inside it; a while thunk's body ops are, and leave the thunk its own time."""
