@@ -5,6 +5,9 @@ their optimizer state sharded over it) and "tensor" (attention heads, the FFN's 
 vocabularies split over it). Parameters carry logical axis names as Flax NNX sharding metadata
 (`logical`, at their creation); RULES maps each logical name to a mesh axis. A dimension that
 does not divide over its mesh axis is replicated instead (e.g. a 267,735-type vocabulary).
+Steps are traced under their mesh (`traced_on`): activations keep their batch rows split
+(`constrain_rows`), and row-wise work that the partitioner would not split by rows runs on
+each device's own rows (`per_row_shard`).
 """
 
 import functools
@@ -109,9 +112,9 @@ def per_row_shard(fn: Callable, rows: tuple, shared: tuple) -> Any:
     are split over data x fsdp by dimension 0, `shared` is whole on every row shard (its
     gradient summed over them); the tensor axis stays the partitioner's. Else fn on the whole.
 
-    For work that XLA's SPMD partitioner cannot split by rows itself: a gather of the rows
-    chosen by a cumulative count over all N (adaptive.py's capacity) runs whole on every
-    device."""
+    For work that XLA's SPMD partitioner cannot split by rows itself, e.g. adaptive.py's
+    capacity gather, which picks rows by a cumulative count over all N: left to the
+    partitioner, every device gathers and scores the whole batch's rows."""
     mesh = _row_mesh()
     if mesh is None:
         return fn(*rows, *shared)
