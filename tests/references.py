@@ -217,7 +217,8 @@ def numpy_language_model(model, tokens: np.ndarray, targets: np.ndarray, memory=
         x = numpy_residual(layer.ffn_res, x, _ffn(layer.ffn))
     if model.final_norm is not None:
         x = numpy_layer_norm(model.final_norm, x)
-    logits = x @ value(model.softmax.tables[0]).T + value(model.softmax.bias)
+    table = value(model.softmax.tables[0])[: cfg.vocab_size]  # rows past it: FSDP padding
+    logits = x @ table.T + value(model.softmax.bias)
     logits -= logits.max(-1, keepdims=True)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]

@@ -88,7 +88,8 @@ def test_single_cluster_is_the_plain_softmax(d_model):
     assert sm.cluster_weight is None and len(sm.tables) == len(sm.projs) == 1
     h = _hidden(d_model)
     x = h if d_model == 16 else h @ _np(sm.projs[0]).T
-    expected = _log_softmax(x @ _np(sm.tables[0]).T + _np(sm.bias))
+    assert sm.tables[0].shape[0] == V + 6  # rounded up to a multiple of 8
+    expected = _log_softmax(x @ _np(sm.tables[0])[:V].T + _np(sm.bias))
     np.testing.assert_allclose(sm.log_probs(jnp.asarray(h)), expected, atol=1e-4)
 
 
@@ -478,6 +479,31 @@ def test_bfloat16_compute_keeps_param_dtype_and_float32_losses(param_dtype):
     grads = nnx.jit(nnx.value_and_grad(lambda m: m.out.nll(h, t).sum()))(sparse)
     np.testing.assert_allclose(grads[0], nll.sum(), rtol=0.01)
     assert {x.dtype for x in jax.tree.leaves(grads[1])} == {jnp.dtype(param_dtype)}
+
+
+def test_tables_are_stored_with_rows_for_fsdp_and_old_checkpoints_are_explained(tmp_path):
+    """WikiText-103's 267,735-type table is stored as 267,736 rows, which fsdp=8 splits (the
+    rows past the vocabulary are never read); a checkpoint of an unpadded table is refused
+    with that cause."""
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from xformer import sharding
+    from xformer.checkpoint import Checkpointer
+
+    wt103 = ClusterLayout.make(267_735, 410, 410, (20_000, 40_000, 200_000), 1)
+    assert wt103.table_shapes() == [(267_736, 410)]
+    fsdp8 = AbstractMesh((1, 8, 1), sharding.MESH_AXES)
+    assert sharding.mesh_spec(P("vocab", None), (267_736, 410), fsdp8) == P("fsdp", None)
+    div2 = ClusterLayout.make(V, 16, 12, CUTOFFS, 2)  # clusters of 10, 15, 15 and 10 tokens
+    assert [rows for rows, _ in div2.table_shapes()] == [16, 16, 16, 16]
+    old = {"table": jnp.asarray(np.random.default_rng().normal(size=(V, 4)))}
+    checkpointer = Checkpointer(str(tmp_path))
+    checkpointer.save(1, old)
+    checkpointer.close()
+    cause = "adaptive embedding tables had as many rows as their tokens"
+    with pytest.raises(ValueError, match=cause):
+        Checkpointer(str(tmp_path)).restore({"table": jnp.zeros((V + 6, 4))})
 
 
 @pytest.mark.slow  # a subprocess on 4 simulated devices: ~15 s

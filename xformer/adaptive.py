@@ -30,6 +30,10 @@ from xformer.losses import (
 from xformer.sharding import logical, per_row_shard
 
 INIT = nnx.initializers.normal(0.02)
+# XLA:GPU pads a 16-bit matmul's dimensions to multiples of 8 for the tensor cores, in a pass
+# of its own over the operand; gathered row blocks and cluster weights of such a size need none.
+# Tables are stored with their rows rounded up to it too, for FSDP.
+ROW_MULTIPLE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +65,13 @@ class ClusterLayout:
         return 0 if len(self.table_ranges) == 1 else i
 
     def table_shapes(self) -> list[tuple[int, int]]:
-        return [(e - s, self.dims[g]) for g, (s, e) in enumerate(self.table_ranges)]
+        """[rows, dim] of each table: its tokens' rows, then rows up to a multiple of
+        ROW_MULTIPLE that no token reads, so that FSDP can split the rows (jax splits a
+        dimension only evenly: WikiText-103's 267,735 types could not be split at all)."""
+        return [
+            (-(-(e - s) // ROW_MULTIPLE) * ROW_MULTIPLE, self.dims[g])
+            for g, (s, e) in enumerate(self.table_ranges)
+        ]
 
 
 def _param(rngs: nnx.Rngs, *shape: int, dtype, axes: tuple, init=INIT) -> nnx.Param:
@@ -247,11 +257,6 @@ class AdaptiveLogSoftmax(nnx.Module):
         for tail in tails:  # 0 outside its cluster
             logp = logp + tail
         return -logp.reshape(shape)
-
-
-# XLA:GPU pads a 16-bit matmul's dimensions to multiples of 8 for the tensor cores, in a pass
-# of its own over the operand; gathered row blocks and head weights of such a size need none.
-ROW_MULTIPLE = 8
 
 
 def _pad_rows(w: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -137,7 +137,9 @@ def explained_shape_errors(directory: object) -> Iterator[None]:
         raise ValueError(
             f"{error}\nThe checkpoints in {directory} hold parameters of other shapes than this "
             "model's: another model config, or an earlier xformer (until 2026-11-27 attention's "
-            "q/k/v kernels were [d, 3d] and its k/v kernels [d, 2d]; now [d, 3, d], [d, 2, d])"
+            "q/k/v kernels were [d, 3d] and its k/v kernels [d, 2d], now [d, 3, d], [d, 2, d]; "
+            "and adaptive embedding tables had as many rows as their tokens, now rounded up to "
+            "a multiple of 8)"
         ) from error
 
 
