@@ -95,8 +95,9 @@ def _dtypes(dtype, param_dtype) -> tuple[jnp.dtype | None, jnp.dtype]:
 class AdaptiveEmbedding(nnx.Module):
     """tokens [B, L] int -> [B, L, d_model]: per-cluster lookup, projection, times sqrt(d_model).
 
-    `tables[g]` [n_g, d_g], initialised N(0, init_std); `projs[g]` [d_g, d_model], or None where
-    d_g == d_model. Parameters are in `param_dtype`, the output in `dtype` (None: param dtype).
+    `tables[g]` [n_g, d_g] (n_g: its tokens, rounded up to ROW_MULTIPLE), initialised
+    N(0, init_std); `projs[g]` [d_g, d_model], or None where d_g == d_model. Parameters are in
+    `param_dtype`, the output in `dtype` (None: param dtype).
     """
 
     def __init__(
