@@ -307,9 +307,10 @@ def test_phase_sizes_double_up_to_the_length_and_bad_phases_are_refused():
 
 
 _SHARDED_SEARCH = """
-import json, re, sys
+import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from xformer import op_profile
 from xformer.decoding import beam_search
 from xformer.sharding import row_local_top_k
 
@@ -333,10 +334,9 @@ report = {}
 for name, top_k in [("xla", jax.lax.top_k), ("row_local", row_local_top_k(mesh))]:
     compiled = jax.jit(lambda c: search(c, top_k)).lower(sharded).compile()
     got = compiled(sharded)
-    collectives = re.findall(r"= (\\S+) (all-gather|all-reduce|all-to-all)\\(", compiled.as_text())
     report[name] = {
         "equal": [bool(np.array_equal(a, b)) for a, b in zip(want, got)],
-        "collectives": [shape for shape, _ in collectives],
+        "collectives": [op.shape for op in op_profile.collective_ops(compiled.as_text())],
     }
 print(json.dumps(report))
 """
@@ -367,9 +367,9 @@ def test_batch_sharded_beam_search_gathers_no_cache_and_equals_one_device():
         assert run["equal"] == [True, True], name
         # Neither the beam cache f32[B * K, D] nor the token sequences s32[B, K, T] (nor any
         # other index array) cross devices.
-        moved = [s for s in run["collectives"] if s.startswith(("f32[24,16]", "s32["))]
+        moved = [s for s in run["collectives"] if "f32[24,16]" in s or "s32[" in s]
         assert moved == [], (name, run["collectives"])
     # XLA replicates top_k, gathering e.g. the log-probs f32[8,3,50]; row-local top_k leaves
     # only the early-exit flag.
-    assert "f32[8,3,50]{2,1,0}" in report["xla"]["collectives"]
+    assert "f32[8,3,50]" in report["xla"]["collectives"]
     assert report["row_local"]["collectives"] == ["pred[]"]

@@ -5,7 +5,6 @@ with no collective but the output projection's all-reduce (the side-by-side kern
 gather and permute activations)."""
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -91,7 +90,7 @@ def test_split_heads_attention_needs_no_gathers(tmp_path):
 def _worker(workdir: Path) -> None:
     from jax.sharding import Mesh
 
-    from xformer import sharding
+    from xformer import op_profile, sharding
     from xformer.attention import MultiHeadAttention
 
     assert jax.device_count() == 4, jax.devices()
@@ -128,11 +127,8 @@ def _worker(workdir: Path) -> None:
                 float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                 for a, b in zip(split_out + one_device, reference + reference, strict=True)
             )
-            found = re.findall(
-                r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
-                hlo,
-            )
-            report[kind][name] = {"gap": gap, "collectives": sorted(set(found))}
+            found = op_profile.collectives(hlo)
+            report[kind][name] = {"gap": gap, "collectives": sorted(found)}
     (workdir / "report.json").write_text(json.dumps(report))
 
 

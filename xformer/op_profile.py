@@ -192,19 +192,22 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
     return ops
 
 
+def collective_ops(hlo: str) -> list[Op]:
+    """The collective instructions of an optimized HLO, wherever they are (XLA:TPU puts its
+    reduce-scatters in fusions), each once (a loop body's once, an async start/done pair once:
+    its start)."""
+    return [op for op in parse_hlo(hlo).values() if op.opcode.removesuffix("-start") in COLLECTIVES]
+
+
 def collectives(hlo: str) -> dict[str, dict]:
-    """{kind: {"count", "gb"}}: the collective instructions of an optimized HLO, wherever they
-    are (XLA:TPU puts its reduce-scatters in fusions) and each once (a loop body's once, an
-    async start/done pair once), and the GB of their results: what each device receives."""
+    """{kind: {"count", "gb"}} of `collective_ops`, with the GB of their results: what each
+    device receives."""
     found: dict[str, dict] = {}
-    for op in parse_hlo(hlo).values():
-        kind = op.opcode.removesuffix("-start")
-        if kind not in COLLECTIVES:
-            continue
+    for op in collective_ops(hlo):
         arrays = re.findall(r"[a-z]\w*\[[\d,]*\]", op.shape)
         if op.opcode in ("all-gather-start", "collective-permute-start"):
             arrays = arrays[1:2]  # (operand, result, ...): the result
-        entry = found.setdefault(kind, {"count": 0, "gb": 0.0})
+        entry = found.setdefault(op.opcode.removesuffix("-start"), {"count": 0, "gb": 0.0})
         entry["count"] += 1
         entry["gb"] += sum(_bytes(a) for a in arrays) / 1e9
     return found
