@@ -145,21 +145,17 @@ def traced_on(mesh: Mesh, fn: Callable) -> Callable:
 
 
 def row_local_top_k(mesh: Mesh) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
-    """`jax.lax.top_k` on each device's rows (dimension 0 over data x fsdp). XLA's SPMD
-    partitioner replicates top_k, all-gathering its whole operand (a beam search's [rows, beam,
-    vocabulary] log-probabilities at every step); rows are independent, so each device can
-    take its own rows' top k."""
+    """`jax.lax.top_k` on each device's rows (dimension 0 over data x fsdp; `per_row_shard`).
+    XLA's SPMD partitioner replicates top_k, all-gathering its whole operand (a beam search's
+    [rows, beam, vocabulary] log-probabilities at every step); rows are independent, so each
+    device can take its own rows' top k."""
     if batch_rows(mesh) == 1:
         return jax.lax.top_k
-    spec = P(BATCH_AXES)
 
     def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-        def local(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-            return tuple(jax.lax.top_k(rows, k))  # top_k gives a list
+        return per_row_shard(lambda rows: tuple(jax.lax.top_k(rows, k)), (x,), ())
 
-        return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(spec, spec))(x)
-
-    return top_k
+    return traced_on(mesh, top_k)
 
 
 def mesh_spec(logical_spec: P, shape: Sequence[int], mesh: Mesh) -> P:
