@@ -48,7 +48,6 @@ from collections.abc import Iterator
 from unittest import mock
 
 import gpu_throughput as gt
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Without a device XLA cannot autotune its Triton GEMM tilings: its untuned pick (16 x 8 tiles)
@@ -67,7 +66,6 @@ def settings(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
 
 def compile_only_mesh(target: str):
     """A mesh of one compile-only GPU described by the target config text."""
-    import jax
     from jax.experimental import topologies
 
     from xformer import sharding
@@ -81,8 +79,7 @@ def compile_only_mesh(target: str):
             f"no compile-only CUDA devices ({error}); install jax-cuda12-plugin[with-cuda] of "
             "this jax's version (see this script's docstring)"
         ) from error
-    devices = np.asarray(topology.devices).reshape((1,) * len(sharding.MESH_AXES))
-    return jax.sharding.Mesh(devices, sharding.MESH_AXES)
+    return sharding.make_mesh({}, topology.devices[:1])
 
 
 def compile_step(

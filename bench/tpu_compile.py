@@ -56,10 +56,7 @@ def compile_only_mesh(topology_name: str, mesh_sizes: tuple[int, ...]):
         devices = topology.devices
     if -1 not in mesh_sizes:  # the first chips of the slice
         devices = devices[: int(np.prod(mesh_sizes))]
-    shape = dict(zip(sharding.MESH_AXES, mesh_sizes, strict=True))
-    sizes = sharding.mesh_shape(shape, len(devices))
-    devices = np.asarray(devices).reshape(sizes)
-    return jax.sharding.Mesh(devices, sharding.MESH_AXES)
+    return sharding.make_mesh(dict(zip(sharding.MESH_AXES, mesh_sizes, strict=True)), devices)
 
 
 def main() -> None:

@@ -485,7 +485,6 @@ def test_tables_are_stored_with_rows_for_fsdp_and_old_checkpoints_are_explained(
     """WikiText-103's 267,735-type table is stored as 267,736 rows, which fsdp=8 splits (the
     rows past the vocabulary are never read); a checkpoint of an unpadded table is refused
     with that cause."""
-    from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as P
 
     from xformer import sharding
@@ -493,7 +492,7 @@ def test_tables_are_stored_with_rows_for_fsdp_and_old_checkpoints_are_explained(
 
     wt103 = ClusterLayout.make(267_735, 410, 410, (20_000, 40_000, 200_000), 1)
     assert wt103.table_shapes() == [(267_736, 410)]
-    fsdp8 = AbstractMesh((1, 8, 1), sharding.MESH_AXES)
+    fsdp8 = sharding.abstract_mesh((1, 8, 1))
     assert sharding.mesh_spec(P("vocab", None), (267_736, 410), fsdp8) == P("fsdp", None)
     div2 = ClusterLayout.make(V, 16, 12, CUTOFFS, 2)  # clusters of 10, 15, 15 and 10 tokens
     assert [rows for rows, _ in div2.table_shapes()] == [16, 16, 16, 16]
@@ -524,7 +523,7 @@ def test_capacity_gathers_each_devices_own_rows(tmp_path):
 def _four_devices() -> dict:
     """_LM's tied softmax, capacity 0.25 of each device's positions (64 at fsdp=4: 16 rows per
     tail cluster; the first device's 64 targets of cluster 2 overflow it)."""
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from xformer import sharding
@@ -554,7 +553,7 @@ def _four_devices() -> dict:
     graphdef, params = nnx.split(sparse)
     report = {}
     for sizes in ((1, 4, 1), (2, 1, 2)):
-        mesh = Mesh(np.asarray(jax.devices()).reshape(sizes), sharding.MESH_AXES)
+        mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, sizes, strict=True)))
         rows = jax.device_put(hidden, NamedSharding(mesh, P(sharding.BATCH_AXES)))
         step = jax.jit(sharding.traced_on(mesh, functools.partial(loss_and_grads, graphdef)))
         got = jax.tree.leaves(step(params, rows))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from simulated_devices import run_script
 
@@ -32,9 +32,9 @@ def _constraints(fn, x) -> list[P]:
 def test_constrain_rows_splits_rows_only_under_a_mesh_that_splits_them():
     x = jnp.asarray(np.random.default_rng().normal(size=(8, 3, 5)))
     assert _constraints(sharding.constrain_rows, x) == []  # no mesh: x as it is
-    tensor_only = AbstractMesh((1, 1, 4), sharding.MESH_AXES)
+    tensor_only = sharding.abstract_mesh((1, 1, 4))
     assert _constraints(sharding.traced_on(tensor_only, sharding.constrain_rows), x) == []
-    rows = AbstractMesh((2, 4, 1), sharding.MESH_AXES)
+    rows = sharding.abstract_mesh((2, 4, 1))
     free = P.UNCONSTRAINED
     constrained = sharding.traced_on(rows, sharding.constrain_rows)
     assert _constraints(constrained, x) == [P(("data", "fsdp"), free, free)]

@@ -88,14 +88,12 @@ def test_split_heads_attention_needs_no_gathers(tmp_path):
 
 
 def _worker(workdir: Path) -> None:
-    from jax.sharding import Mesh
-
     from xformer import op_profile, sharding
     from xformer.attention import MultiHeadAttention
 
     assert jax.device_count() == 4, jax.devices()
     jax.config.update("jax_enable_x64", True)
-    mesh = Mesh(np.asarray(jax.devices()).reshape(1, 1, 4), sharding.MESH_AXES)
+    mesh = sharding.make_mesh({"tensor": 4})
     rng = np.random.default_rng()
     x = rng.standard_normal((2, 6, 32))
     memory = rng.standard_normal((2, 3, 32))

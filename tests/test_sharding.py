@@ -13,7 +13,6 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from test_grad_accum import TOLERANCE, run_steps, tiny_task
 
@@ -64,7 +63,7 @@ def test_mesh_shape_fills_in_the_rest_and_rejects_misfits():
 def test_mesh_spec_follows_the_rules():
     """Rules first; a dimension that does not divide is replicated; FSDP then takes the largest
     free dimension that divides when the rules gave it none."""
-    mesh = AbstractMesh((2, 4, 2), sharding.MESH_AXES)  # data, fsdp, tensor
+    mesh = sharding.abstract_mesh((2, 4, 2))  # data, fsdp, tensor
 
     def spec(names, shape):
         return sharding.mesh_spec(P(*names), shape, mesh)
@@ -76,7 +75,7 @@ def test_mesh_spec_follows_the_rules():
     assert spec(("vocab", None), (30, 12)) == P("tensor", "fsdp")  # FSDP on the free dim
     assert spec(("vocab", None), (31, 12)) == P(None, "fsdp")
     assert spec((), ()) == P()  # a scalar (Adam's count)
-    fsdp8 = AbstractMesh((1, 8, 1), sharding.MESH_AXES)
+    fsdp8 = sharding.abstract_mesh((1, 8, 1))
     assert sharding.mesh_spec(P("embed", "mlp"), (410, 2104), fsdp8) == P(None, "fsdp")
     assert sharding.mesh_spec(P("embed", "mlp"), (410, 2100), fsdp8) == P(None, None)
     with pytest.raises(ValueError, match="no rule"):

@@ -17,11 +17,14 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # batch rows are split over both
+# every axis the SPMD partitioner's to use (jax 0.11's AbstractMesh defaults to Explicit axes,
+# on which `constrain_rows`'s P.UNCONSTRAINED dimensions are an error)
+AXIS_TYPES = (AxisType.Auto,) * len(MESH_AXES)
 
 RULES: dict[str, str | None] = {  # logical axis -> mesh axis (None: replicated)
     "embed": "fsdp",  # the model width d_model of weight matrices and embedding tables
@@ -49,7 +52,12 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     Raises ValueError naming the `mesh.*` keys when the sizes do not fit the device count."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(shape, len(devices))
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=AXIS_TYPES)
+
+
+def abstract_mesh(sizes: tuple[int, int, int]) -> AbstractMesh:
+    """A mesh of (data, fsdp, tensor) `sizes` without devices, its axes typed as make_mesh's."""
+    return AbstractMesh(sizes, MESH_AXES, axis_types=AXIS_TYPES)
 
 
 def mesh_shape(shape: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
