@@ -75,6 +75,7 @@ def main() -> None:
     )
     parser.add_argument("--set", action="append", default=[], help="[model:]key=value")
     parser.add_argument("--out", help="write the results here as JSON")
+    parser.add_argument("--hlo-dir", help="save each setting's optimized HLO here")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -99,6 +100,11 @@ def main() -> None:
             name, dtype, impl, overrides[name], mesh, backend=mesh.devices.flat[0].platform
         )
         hlo = compiled.as_text()
+        if args.hlo_dir:
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            sizes = "x".join(str(n) for n in mesh.shape.values())
+            with open(os.path.join(args.hlo_dir, f"{name}_{dtype}_{impl}_{sizes}.hlo"), "w") as f:
+                f.write(hlo)
         step_gib = gt.compiled_step_bytes(compiled) / 2**30
         flops = (compiled.cost_analysis() or {}).get("flops", 0.0)
         analytic = gt.model_flops(config, vocab).total

@@ -451,15 +451,34 @@ COLLECTIVE_OPS = """HloModule jit_train_step
   ROOT %t = (bf16[128,2,512]{2,0,1}, bf16[128,512]{1,0}) tuple(%s.0, %s.1)
 }
 
+%gather-start.2 (p: bf16[128,512]) -> (bf16[128,512], bf16[512,512], u32[]) {
+  %p = bf16[128,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %all-gather.2 = bf16[512,512]{1,0:T(8,128)(2,1)} all-gather(%p), channel_id=9, replica_groups={{0,1,2,3}}, dimensions={0}, frontend_attributes={chain_id="0"}
+  %flag = u32[] constant(0)
+  ROOT %t = (bf16[128,512]{1,0}, bf16[512,512]{1,0}, u32[]) tuple(%p, %all-gather.2, %flag)
+}
+
+%gather-and-dot.3 (p: bf16[128,512], q: bf16[512,512], x: f32[64,256]) -> (f32[64,256], bf16[128,512], bf16[512,512]) {
+  %p = bf16[128,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %q = bf16[512,512]{1,0:T(8,128)(2,1)} parameter(1)
+  %x = f32[64,256]{1,0} parameter(2)
+  %all-gather.3 = bf16[512,512]{1,0:T(8,128)(2,1)} all-gather(%p), channel_id=9, replica_groups={{0,1,2,3}}, dimensions={0}, frontend_attributes={chain_id="0"}
+  %d = f32[64,256]{1,0} dot(%x, %x), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  ROOT %t = (f32[64,256]{1,0}, bf16[128,512]{1,0}, bf16[512,512]{1,0}) tuple(%d, %p, %all-gather.3)
+}
+
 ENTRY %main (w: bf16[512,2,512], v: bf16[512,512], x: f32[64,256], y: f32[16]) -> f32[64,1024] {
   %w = bf16[512,2,512]{2,0,1} parameter(0)
   %v = bf16[512,512]{1,0} parameter(1)
   %x = f32[64,256]{1,0} parameter(2)
   %y = f32[16]{0} parameter(3)
   %scatter = (bf16[128,2,512]{2,0,1}, bf16[128,512]{1,0}) fusion(%w, %v), kind=kCustom, calls=%all-reduce-scatter.1
+  %w.shard = bf16[128,512]{1,0} slice(%v), slice={[0:128], [0:512]}
+  %async-collective-start.2 = (bf16[128,512]{1,0}, bf16[512,512]{1,0}, u32[]) fusion(%w.shard), kind=kCustom, calls=%gather-start.2
+  %gathering = (f32[64,256]{1,0}, bf16[128,512]{1,0}, bf16[512,512]{1,0}) fusion(%w.shard, %v, %x), kind=kCustom, calls=%gather-and-dot.3
   %all-gather-start = (f32[64,256]{1,0}, f32[64,1024]{1,0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={1}
   %all-gather-done = f32[64,1024]{1,0} all-gather-done(%all-gather-start)
-  %combined = (f32[16]{0}, f32[16]{0}) all-reduce(%y, %y), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%add
+  %combined = (f32[16]{0}, f32[16]{0}) all-reduce(%y, %y), channel_id=7, replica_groups={{0,1,2,3}}, to_apply=%add
   %permute = (f32[16]{0}, f32[16]{0}, u32[], u32[]) collective-permute-start(%y), channel_id=3, source_target_pairs={{0,1},{1,0}}
   %permute-done = f32[16]{0} collective-permute-done(%permute)
   ROOT %out = f32[64,1024]{1,0} copy(%all-gather-done)
@@ -469,7 +488,9 @@ ENTRY %main (w: bf16[512,2,512], v: bf16[512,512], x: f32[64,256], y: f32[16]) -
 
 def test_collectives_are_counted_wherever_they_are_with_their_results_bytes():
     """A combined (tuple) all-reduce, one inside a fusion (XLA:TPU's reduce-scatter), TPU tiled
-    layouts, async pairs counted once by their results (not their operands or sync flags)."""
+    layouts, async pairs counted once by their results (not their operands or sync flags), and
+    an all-gather that XLA:TPU cloned into a fusion advancing it beside a dot counted once, two
+    all-reduces with one channel_id counted twice."""
     found = op_profile.collectives(COLLECTIVE_OPS)
     assert found.keys() == {"all-reduce", "all-gather", "collective-permute"}
     assert found["all-reduce"]["count"] == 2
@@ -477,7 +498,8 @@ def test_collectives_are_counted_wherever_they_are_with_their_results_bytes():
     assert found["all-reduce"]["gb"] * 1e9 == pytest.approx(
         (512 * 2 * 512 + 512 * 512) * bf16 + 2 * 16 * f32
     )
-    assert found["all-gather"] == {"count": 1, "gb": pytest.approx(64 * 1024 * f32 / 1e9)}
+    gathered = 64 * 1024 * f32 + 512 * 512 * bf16
+    assert found["all-gather"] == {"count": 2, "gb": pytest.approx(gathered / 1e9)}
     assert found["collective-permute"] == {"count": 1, "gb": pytest.approx(16 * f32 / 1e9)}
 
 

@@ -62,6 +62,7 @@ class Op:
     bytes: int = 0  # its result's size and its operands' (only the parts a fusion slices out)
     flops: int = 0  # 2 x multiply-adds of its matmuls (dots, GEMM custom calls)
     computation: str = ""  # the computation holding it (ENTRY's name for the program's own ops)
+    chain: str = ""  # an async collective of XLA:TPU's: its channel_id and chain_id
 
 
 def _frames(hlo: str) -> dict[int, str]:
@@ -177,6 +178,8 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
             flops = sum(_dot_flops(b, o, s, shapes) for o, s, b in parts)
         op_name = re.search(r'op_name="([^"]*)"', line)
         frame = re.search(r"stack_frame_id=(\d+)", line)
+        chain = re.search(r'chain_id=\\?"(\d+)', line)
+        channel = re.search(r"channel_id=(\d+)", line)
         ops[name] = Op(
             name=name,
             opcode=opcode,
@@ -188,15 +191,25 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
             bytes=0 if kind == "control flow" else _moved(opcode, shape, line, body, shapes),
             flops=flops,
             computation=computation,
+            chain=f"{channel[1] if channel else ''}:{chain[1]}" if chain else "",
         )
     return ops
 
 
 def collective_ops(hlo: str) -> list[Op]:
     """The collective instructions of an optimized HLO, wherever they are (XLA:TPU puts its
-    reduce-scatters in fusions), each once (a loop body's once, an async start/done pair once:
-    its start)."""
-    return [op for op in parse_hlo(hlo).values() if op.opcode.removesuffix("-start") in COLLECTIVES]
+    reduce-scatters in fusions), each once: a loop body's once, an async start/done pair by its
+    start, and an XLA:TPU async collective once (it is cloned into its start, its done and every
+    fusion that advances it beside other work, each clone with the same channel_id and
+    chain_id; distinct collectives may share a channel_id)."""
+    found, chains = [], set()
+    for op in parse_hlo(hlo).values():
+        if op.opcode.removesuffix("-start") not in COLLECTIVES or op.chain in chains:
+            continue
+        found.append(op)
+        if op.chain:
+            chains.add(op.chain)
+    return found
 
 
 def collectives(hlo: str) -> dict[str, dict]:
