@@ -178,7 +178,7 @@ def parse_hlo(hlo: str) -> dict[str, Op]:
             flops = sum(_dot_flops(b, o, s, shapes) for o, s, b in parts)
         op_name = re.search(r'op_name="([^"]*)"', line)
         frame = re.search(r"stack_frame_id=(\d+)", line)
-        chain = re.search(r'chain_id=\\?"(\d+)', line)
+        chain = re.search(r'chain_id="(\d+)"', line)
         channel = re.search(r"channel_id=(\d+)", line)
         ops[name] = Op(
             name=name,
