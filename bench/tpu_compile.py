@@ -15,10 +15,12 @@ its compile-only devices over the (data, fsdp, tensor) mesh `--mesh` and compile
 compiler. No TPU runs anything, so no time is measured. Reported per setting: compile time,
 each chip's step memory (XLA's memory analysis: arguments + outputs - donated + temporaries)
 against the chip's HBM, XLA's FLOP count per chip and the time it would take at the chip's
-dense bfloat16 peak (a floor that leaves out memory traffic), and the collectives the SPMD
-partitioner inserted (count and bytes of each kind). The attention module picks its backend
-by `jax.default_backend()`, "cpu" here, so it is told "tpu" while the step is traced: fused
-attention takes jax.nn.dot_product_attention's XLA implementation there, as on a TPU.
+dense bfloat16 peak (a floor that leaves out memory traffic), the Pallas kernel calls (splash
+attention) and the collectives the SPMD partitioner inserted (count and bytes of each kind).
+The attention module picks its backend by `jax.default_backend()`, "cpu" here, so it is told
+"tpu" while the step is traced: fused attention takes the splash kernel where it serves
+(xformer/splash_attention.py) and jax.nn.dot_product_attention's XLA implementation elsewhere,
+as on a TPU.
 """
 
 import argparse
@@ -123,6 +125,7 @@ def main() -> None:
             "analytic_tflop": analytic / 1e12,
             "flop_floor_ms": flops / (peak * 1e12) * 1e3 if peak else None,
             "collectives": op_profile.collectives(hlo),
+            "splash_calls": hlo.count('custom_call_target="tpu_custom_call"'),
         }
         results.append(result)
         fits = "" if hbm is None else f" of {hbm} GiB ({step_gib / hbm:.0%})"
@@ -135,7 +138,7 @@ def main() -> None:
             f"{step_gib:.2f} GiB per chip{fits}; XLA {flops / 1e12:.2f} TFLOP per chip "
             f"(analytic {analytic / 1e12:.2f} in all), "
             f"{result['flop_floor_ms'] or float('nan'):.1f} ms at peak; "
-            f"collectives: {comms or 'none'}",
+            f"{result['splash_calls']} Pallas calls; collectives: {comms or 'none'}",
             flush=True,
         )
         if args.out:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
-from xformer import precision
+from xformer import masks, precision
 from xformer.dropout import Dropout
 from xformer.layout import Layout
 from xformer.linear import Linear, Projections
@@ -33,18 +33,20 @@ def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    mask: jax.Array | None,
+    mask: masks.Mask | None,
     dropout: Dropout | None = None,
     bias: jax.Array | None = None,
     implementation: str = "xla",
 ) -> jax.Array:
     """softmax(q k^T / sqrt(D) + bias, masked) v.
 
-    q [B, Lq, H, D], k and v [B, Lk, H, D], mask [B or 1, 1 or H, Lq, Lk] bool, bias
-    broadcastable to [B, H, Lq, Lk] -> [B, Lq, H, D]. Logits and softmax are at least float32.
-    implementation "xla": the einsum reference; "fused": jax.nn.dot_product_attention (cuDNN
-    flash attention on GPU where it can serve, its XLA implementation elsewhere). Dropout on
-    the weights has no fused form, so active attention dropout takes the reference path.
+    q [B, Lq, H, D], k and v [B, Lk, H, D], mask [B or 1, 1 or H, Lq, Lk] bool (or a
+    masks.StructuredMask around one), bias broadcastable to [B, H, Lq, Lk] -> [B, Lq, H, D].
+    Logits and softmax are at least float32. implementation "xla": the einsum reference;
+    "fused": flash attention where it can serve (cuDNN on GPU, Pallas' splash kernel on TPU
+    for structured masks), jax.nn.dot_product_attention's XLA implementation elsewhere.
+    Dropout on the weights has no fused form, so active attention dropout takes the reference
+    path.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {implementation!r} not in {IMPLEMENTATIONS}")
@@ -56,6 +58,7 @@ def dot_product_attention(
         )
     elif implementation == "fused":
         return _fused_attention(q, k, v, mask, bias)
+    mask = masks.dense(mask)
     logits = precision.wide_einsum("bqhd,bkhd->bhqk", q, k)
     logits_dtype = logits.dtype
     logits = logits / math.sqrt(q.shape[-1])
@@ -73,14 +76,24 @@ CUDNN_HEAD_MULTIPLE = 8  # cuDNN flash attention takes head sizes that are multi
 
 
 def _fused_attention(q, k, v, mask, bias) -> jax.Array:
-    """jax.nn.dot_product_attention: cuDNN on GPU unless it refuses the call (dtype, head size,
-    shapes), then, as on every other backend, its XLA implementation. The reason is logged.
+    """On TPU, the splash kernel where it serves (splash_attention.py); on GPU,
+    jax.nn.dot_product_attention's cuDNN implementation unless it refuses the call (dtype,
+    head size, shapes); else, as on every other backend, its XLA implementation. Every
+    reason is logged once.
 
     A head size that is not a multiple of 8 (WikiText-103's Transformer-XL: 410 / 10 = 41) is
     zero-padded for cuDNN, with the scale of the true size: the padded features add 0 to every
     q.k and their outputs, all 0, are sliced off, so the result and its gradients are exact."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
     backend = jax.default_backend()
+    if backend == "tpu":
+        from xformer import splash_attention  # Pallas: imported only where it runs
+
+        reason = splash_attention.unsupported(q, k, mask, bias)
+        if reason is None:
+            return splash_attention.attention(q, k, v, mask)
+        _log_once(f"TPU splash attention cannot serve this call ({reason}); using XLA")
+    mask = masks.dense(mask)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "gpu":
         try:
             cudnn_q, cudnn_mask, cudnn_bias = _without_empty_rows(q, mask, bias)
@@ -97,7 +110,7 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
             return out[..., :size]
         except (NotImplementedError, ValueError, RuntimeError, TypeError) as error:
             _log_once(f"cuDNN flash attention cannot serve this call ({error}); using XLA")
-    else:
+    elif backend != "tpu":
         _log_once(f"no cuDNN on {backend}: jax.nn.dot_product_attention uses its XLA path")
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="xla")
 
@@ -212,7 +225,7 @@ class MultiHeadAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        mask: jax.Array | None,
+        mask: masks.Mask | None,
         *,
         positional: BoundScheme | None = None,
         layer: int = 0,

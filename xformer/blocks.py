@@ -7,7 +7,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from xformer import activations
+from xformer import activations, masks
 from xformer.attention import MultiHeadAttention
 from xformer.dropout import Dropout
 from xformer.layer_norm import LayerNorm
@@ -93,7 +93,7 @@ class SelfAttentionBlock(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        mask: jax.Array,
+        mask: masks.Mask,
         positional: BoundScheme,
         layer: int,
         memory: jax.Array | None = None,
@@ -146,8 +146,8 @@ class DecoderBlock(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        self_mask: jax.Array,
-        cross_mask: jax.Array,
+        self_mask: masks.Mask,
+        cross_mask: masks.Mask,
         positional: BoundScheme,
         layer: int,
         *,

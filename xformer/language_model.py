@@ -85,7 +85,7 @@ class LanguageModel(nnx.Module):
         if memory is not None:
             filled_keys = masks.memory_key_valid(mem_len, q_len, memory["filled"])
             key_valid = filled_keys if key_valid is None else key_valid & filled_keys
-        mask = self._mask(layout, key_valid)
+        mask = self._mask(layout, key_valid, structured=True)
         positional = BoundScheme.bind(self.positional, layout)
         inputs = []
         for i, layer in enumerate(self.layers):
@@ -105,7 +105,7 @@ class LanguageModel(nnx.Module):
             x = x + self.positional.embed(positions).astype(x.dtype)
         return self.dropout(x)
 
-    def _mask(self, layout: Layout, key_valid: jax.Array | None) -> jax.Array:
+    def _mask(self, layout: Layout, key_valid: jax.Array | None, structured: bool = False):
         cfg = self.cfg
         return masks.attention_mask(
             cfg.decoder_mask,
@@ -113,6 +113,7 @@ class LanguageModel(nnx.Module):
             window=cfg.attention_window,
             prefix_length=cfg.prefix_length,
             key_valid=key_valid,
+            structured=structured,
         )
 
     def _output(self, x: jax.Array) -> jax.Array:

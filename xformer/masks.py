@@ -133,16 +133,59 @@ def attention_mask(
     q_segments: jax.Array | None = None,
     k_segments: jax.Array | None = None,
     key_valid: jax.Array | None = None,
-) -> jax.Array:
+    structured: bool = False,
+) -> "Mask":
     """The scheme's mask AND same-example (segment ids [B, Lq], [B, Lk]; 0 = padding) AND
-    valid keys ([B, Lk] bool) -> [B or 1, 1, Lq, Lk]."""
+    valid keys ([B, Lk] bool) -> [B or 1, 1, Lq, Lk]. `structured`: a `StructuredMask` where
+    the mask has that form (causal or all keys, on aligned positions, no key_valid)."""
     visible = MASK_SCHEMES[kind].visible(layout, window=window, prefix_length=prefix_length)
     mask = visible[None, None]
     if q_segments is not None:
         mask = mask & segment_mask(q_segments, k_segments)
     if key_valid is not None:
         mask = mask & key_valid[:, None, None, :]
+    aligned = layout.q_len == layout.k_len and _is_zero(layout.q_start, layout.k_start)
+    if structured and kind in STRUCTURED_KINDS and aligned and key_valid is None:
+        return StructuredMask(mask, q_segments, k_segments, causal=kind == "causal")
     return mask
+
+
+STRUCTURED_KINDS = ("causal", "bidirectional")
+
+
+def _is_zero(*starts: int | jax.Array) -> bool:
+    return all(isinstance(start, int) and start == 0 for start in starts)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StructuredMask:
+    """A mask that is exactly "causal (or all keys) AND same example" on aligned query and key
+    positions, with what a blockwise kernel (TPU splash attention) builds it from instead of
+    reading `dense`: segment ids q_segments [B, Lq], k_segments [B, Lk] (0 = padding; None:
+    one example a row, no padding) and `causal`. dense [B or 1, 1, Lq, Lk] is the XLA path's.
+
+    Rows of padding queries (whose outputs nothing scores) may differ between the two: a
+    kernel compares segment ids, so padding queries attend to padding keys there."""
+
+    dense: jax.Array
+    q_segments: jax.Array | None
+    k_segments: jax.Array | None
+    causal: bool = dataclasses.field(metadata=dict(static=True))
+
+
+Mask = jax.Array | StructuredMask  # what attention takes
+
+
+def dense(mask: Mask | None) -> jax.Array | None:
+    """The [B or 1, 1, Lq, Lk] bool array of any mask `attention_mask` returns."""
+    return mask.dense if isinstance(mask, StructuredMask) else mask
+
+
+def cross_mask(q_segments: jax.Array, k_segments: jax.Array) -> StructuredMask:
+    """Cross-attention: non-padding queries see the non-padding keys of their own example.
+    [B, Lq], [B, Lk] segment ids -> a StructuredMask over all keys."""
+    return StructuredMask(segment_mask(q_segments, k_segments), q_segments, k_segments, False)
 
 
 def segment_mask(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:

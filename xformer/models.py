@@ -69,13 +69,14 @@ class EncoderDecoder(nnx.Module):
         encoding = scheme.embed(positions)
         return self.embed_dropout(x if encoding is None else x + encoding.astype(x.dtype))
 
-    def _self_mask(self, kind: str, layout: Layout, segments: jax.Array) -> jax.Array:
+    def _self_mask(self, kind: str, layout: Layout, segments: jax.Array):
         return masks.attention_mask(
             kind,
             layout,
             window=self.cfg.attention_window,
             q_segments=segments,
             k_segments=segments,
+            structured=True,
         )
 
     def _logits(self, x: jax.Array) -> jax.Array:
@@ -123,7 +124,7 @@ class EncoderDecoder(nnx.Module):
         x = self._embed(self.tgt_embed, self.tgt_positional, tgt_in, tgt_positions)
         layout = Layout(tgt_in.shape[1], tgt_in.shape[1])
         self_mask = self._self_mask(self.cfg.decoder_mask, layout, tgt_segments)
-        cross_mask = masks.segment_mask(tgt_segments, src_segments)
+        cross_mask = masks.cross_mask(tgt_segments, src_segments)
         positional = BoundScheme.bind(self.tgt_positional, layout)
         for i, layer in enumerate(self.decoder):
             x = apply_layer(
