@@ -2,6 +2,8 @@
 CPU by Pallas' interpreter on a pretend TPU: every structured mask, whole models, a mesh that
 splits rows and heads, and the calls it must leave to XLA."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from test_precision import (
     assert_close,
 )
 
+import xformer
 from xformer import masks, splash_attention
 from xformer.attention import dot_product_attention
 from xformer.language_model import LanguageModel, LMConfig
@@ -40,18 +43,32 @@ def packed_segments(rng, rows: int, length: int) -> np.ndarray:
     return segments
 
 
+SELF_ATTENTION_CASES = {  # case -> (mask scheme, causal layout, packed rows)
+    "causal_packed": ("causal", True, True),
+    "bidirectional_packed": ("bidirectional", False, True),
+    "causal_unpacked": ("causal", True, False),
+    "causal_window_packed": ("sliding_window", True, True),
+    "bidirectional_window_packed": ("sliding_window", False, True),
+}
+WINDOW = 40  # keys fewer than 40 positions away: windows that straddle the kernel's blocks
+
+
 def structured_mask(case: str, rng) -> tuple[masks.StructuredMask, int, int]:
     """(mask, Lq, Lk) of one kind of call the models make."""
     if case == "cross":  # 128 target positions over 256 source positions
         q_segments, k_segments = packed_segments(rng, 2, 128), packed_segments(rng, 2, 256)
         mask = masks.cross_mask(jnp.asarray(q_segments), jnp.asarray(k_segments))
         return mask, 128, 256
-    kind, packed = case.split("_")
+    kind, causal, packed = SELF_ATTENTION_CASES[case]
     length = 256
-    segments = jnp.asarray(packed_segments(rng, 2, length)) if packed == "packed" else None
-    layout = Layout(length, length, causal=kind == "causal")
+    segments = jnp.asarray(packed_segments(rng, 2, length)) if packed else None
     mask = masks.attention_mask(
-        kind, layout, q_segments=segments, k_segments=segments, structured=True
+        kind,
+        Layout(length, length, causal=causal),
+        window=WINDOW,
+        q_segments=segments,
+        k_segments=segments,
+        structured=True,
     )
     return mask, length, length
 
@@ -86,12 +103,11 @@ def pallas_calls(fn, *args) -> int:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(
-    "case", ["causal_packed", "bidirectional_packed", "causal_unpacked", "cross"]
-)
+@pytest.mark.parametrize("case", [*SELF_ATTENTION_CASES, "cross"])
 def test_splash_equals_reference_on_real_rows(case, dtype, pretend_tpu):
     """Output and dq, dk, dv of a random weighting of the real (non-padding) query rows: the
-    splash kernel against the einsum reference, on packed rows with padding. In bfloat16 both
+    splash kernel against the einsum reference, on packed rows with padding, with and without
+    a sliding window, and on unpacked rows and cross-attention. In bfloat16 both
     are compared with the float32 reference of the same inputs, splash allowed twice the
     bfloat16 reference's own error (or TOLERANCE): each rounds its own way."""
     rng = np.random.default_rng()
@@ -128,7 +144,7 @@ def test_splash_leaves_to_xla_what_it_cannot_serve(pretend_tpu):
     calls = {
         "adds a bias": (q, k, v, mask, bias),
         "not multiples of 128": (q[:, :64], k[:, :64], v[:, :64], short, None),
-        "not causal-or-all-keys": (q, k, v, mask.dense, None),
+        "not a StructuredMask": (q, k, v, mask.dense, None),
     }
     for reason, (q_, k_, v_, mask_, bias_) in calls.items():
         assert reason in splash_attention.unsupported(q_, k_, mask_, bias_)
@@ -143,6 +159,24 @@ def test_splash_leaves_to_xla_what_it_cannot_serve(pretend_tpu):
         jax.ShapeDtypeStruct(q.shape, jnp.float64), k, mask, None
     )
     assert splash_attention.unsupported(q, k, mask, None) is None
+
+
+def test_a_jax_without_the_kernel_takes_xla(pretend_tpu, monkeypatch):
+    """If a jax's Pallas no longer has the kernel where splash_attention.py imports it, fused
+    attention on a TPU takes the XLA path (and logs why) instead of failing."""
+    monkeypatch.delitem(sys.modules, "xformer.splash_attention")
+    monkeypatch.delattr(xformer, "splash_attention")
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.ops.tpu.splash_attention", None)
+    rng = np.random.default_rng()
+    mask, length, _ = structured_mask("causal_packed", rng)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, length, 2, 32)), jnp.float32) for _ in range(3))
+
+    def fused(q):
+        return dot_product_attention(q, k, v, mask, implementation="fused")
+
+    assert pallas_calls(fused, q) == 0
+    reference = dot_product_attention(q, k, v, mask)
+    np.testing.assert_allclose(fused(q), reference, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -86,9 +86,12 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
     q.k and their outputs, all 0, are sliced off, so the result and its gradients are exact."""
     backend = jax.default_backend()
     if backend == "tpu":
-        from xformer import splash_attention  # Pallas: imported only where it runs
+        try:
+            from xformer import splash_attention  # Pallas: imported only where it runs
 
-        reason = splash_attention.unsupported(q, k, mask, bias)
+            reason = splash_attention.unsupported(q, k, mask, bias)
+        except ImportError as error:  # a jax whose Pallas keeps the kernel elsewhere
+            reason = f"no splash kernel in this jax: {error}"
         if reason is None:
             return splash_attention.attention(q, k, v, mask)
         _log_once(f"TPU splash attention cannot serve this call ({reason}); using XLA")

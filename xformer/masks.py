@@ -146,11 +146,13 @@ def attention_mask(
         mask = mask & key_valid[:, None, None, :]
     aligned = layout.q_len == layout.k_len and _is_zero(layout.q_start, layout.k_start)
     if structured and kind in STRUCTURED_KINDS and aligned and key_valid is None:
-        return StructuredMask(mask, q_segments, k_segments, causal=kind == "causal")
+        causal = kind == "causal" or (kind == "sliding_window" and layout.causal)
+        window = window if kind == "sliding_window" else 0
+        return StructuredMask(mask, q_segments, k_segments, causal=causal, window=window)
     return mask
 
 
-STRUCTURED_KINDS = ("causal", "bidirectional")
+STRUCTURED_KINDS = ("causal", "bidirectional", "sliding_window")
 
 
 def _is_zero(*starts: int | jax.Array) -> bool:
@@ -160,10 +162,11 @@ def _is_zero(*starts: int | jax.Array) -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StructuredMask:
-    """A mask that is exactly "causal (or all keys) AND same example" on aligned query and key
-    positions, with what a blockwise kernel (TPU splash attention) builds it from instead of
-    reading `dense`: segment ids q_segments [B, Lq], k_segments [B, Lk] (0 = padding; None:
-    one example a row, no padding) and `causal`. dense [B or 1, 1, Lq, Lk] is the XLA path's.
+    """A mask that is exactly "causal (or all keys), within `window` positions (0: any), AND
+    same example" on aligned query and key positions, with what a blockwise kernel (TPU splash
+    attention) builds it from instead of reading `dense`: segment ids q_segments [B, Lq],
+    k_segments [B, Lk] (0 = padding; None: one example a row, no padding), `causal` and
+    `window`. dense [B or 1, 1, Lq, Lk] is the XLA path's.
 
     Rows of padding queries (whose outputs nothing scores) may differ between the two: a
     kernel compares segment ids, so padding queries attend to padding keys there."""
@@ -172,6 +175,7 @@ class StructuredMask:
     q_segments: jax.Array | None
     k_segments: jax.Array | None
     causal: bool = dataclasses.field(metadata=dict(static=True))
+    window: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 Mask = jax.Array | StructuredMask  # what attention takes
@@ -185,7 +189,9 @@ def dense(mask: Mask | None) -> jax.Array | None:
 def cross_mask(q_segments: jax.Array, k_segments: jax.Array) -> StructuredMask:
     """Cross-attention: non-padding queries see the non-padding keys of their own example.
     [B, Lq], [B, Lk] segment ids -> a StructuredMask over all keys."""
-    return StructuredMask(segment_mask(q_segments, k_segments), q_segments, k_segments, False)
+    return StructuredMask(
+        segment_mask(q_segments, k_segments), q_segments, k_segments, causal=False
+    )
 
 
 def segment_mask(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:

@@ -1,10 +1,11 @@
 """TPU flash attention: Pallas' splash-attention kernel for `attention_impl="fused"` on TPU.
 
 The kernel never materialises the [B, H, Lq, Lk] logits: it builds the mask blockwise from a
-static pattern (causal or all keys) and per-token segment ids, skipping blocks the pattern
-hides. So it serves the calls whose mask is a `masks.StructuredMask` and that have no bias
-(sinusoidal, learned, rotary or no positions); `unsupported` gives the reason for any other
-call, which then takes jax.nn.dot_product_attention's XLA path.
+static pattern (causal or all keys, optionally within a sliding window) and per-token segment
+ids, skipping blocks the pattern hides. So it serves the calls whose mask is a
+`masks.StructuredMask` and that have no bias (sinusoidal, learned, rotary or no positions);
+`unsupported` gives the reason for any other call, which then takes
+jax.nn.dot_product_attention's XLA path.
 """
 
 import functools
@@ -30,7 +31,10 @@ def unsupported(q: jax.Array, k: jax.Array, mask, bias: jax.Array | None) -> str
     if bias is not None:
         return "the positional scheme adds a bias to the logits"
     if not isinstance(mask, masks.StructuredMask):
-        return "its mask is not causal-or-all-keys AND same-example on aligned positions"
+        return (
+            "its mask is not a StructuredMask (causal or all keys, optionally in a window, "
+            "AND same example, on aligned positions)"
+        )
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (it takes {', '.join(jnp.dtype(d).name for d in DTYPES)})"
     lengths = (q.shape[1], k.shape[1])
@@ -52,7 +56,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: masks.StructuredMa
     segmented = segments[0] is not None
 
     def local(q, k, v, *segments):
-        kernel = _kernel(q.shape[2], q.shape[1], k.shape[1], mask.causal, INTERPRET)
+        kernel = _kernel(q.shape[2], q.shape[1], k.shape[1], mask.causal, mask.window, INTERPRET)
         heads_first = [x.swapaxes(1, 2) for x in (q / math.sqrt(q.shape[-1]), k, v)]
         if segmented:
             call = lambda q, k, v, qs, ks: kernel(q, k, v, splash.SegmentIds(qs, ks))  # noqa: E731
@@ -82,10 +86,16 @@ def _split_mesh():
 
 
 @functools.cache
-def _kernel(heads: int, q_len: int, k_len: int, causal: bool, interpret: bool):
+def _kernel(heads: int, q_len: int, k_len: int, causal: bool, window: int, interpret: bool):
     """The kernel for one [heads, q_len, D] x [heads, k_len, D] call (its mask's block map is
-    computed here, once per shape)."""
-    pattern = patterns.CausalMask if causal else patterns.FullMask
+    computed here, once per shape): keys up to window - 1 positions before (and, unless
+    causal, after) each query; window 0: no limit. Blocks the pattern hides are skipped."""
+    shape = (q_len, k_len)
+    if window:
+        sides = (window - 1, 0 if causal else window - 1)
+        pattern = patterns.LocalMask(shape, sides, offset=0)
+    else:  # (a LocalMask unlimited on both sides captures a constant in the kernel)
+        pattern = (patterns.CausalMask if causal else patterns.FullMask)(shape)
     block_q, block_k = (next(b for b in BLOCKS if not n % b) for n in (q_len, k_len))
     blocks = splash.BlockSizes(
         block_q=block_q,
@@ -99,7 +109,7 @@ def _kernel(heads: int, q_len: int, k_len: int, causal: bool, interpret: bool):
     )
     with jax.ensure_compile_time_eval():  # concrete block maps, not the first caller's tracers
         return splash.make_splash_mha(
-            patterns.MultiHeadMask([pattern((q_len, k_len))] * heads),
+            patterns.MultiHeadMask([pattern] * heads),
             block_sizes=blocks,
             head_shards=1,
             q_seq_shards=1,
