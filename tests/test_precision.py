@@ -422,12 +422,14 @@ def test_cudnn_gets_head_sizes_padded_to_a_multiple_of_8(head_size, monkeypatch)
     real = jax.nn.dot_product_attention
     calls = []
 
-    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+    def fake_cudnn(
+        q, k, v, bias=None, mask=None, *, scale=None, is_causal=False, implementation=None
+    ):
         if implementation == "cudnn":
             if q.shape[-1] % 8 or q.dtype not in (jnp.bfloat16, jnp.float16):
                 raise ValueError(f"cuDNN refuses head size {q.shape[-1]} in {q.dtype}")
             calls.append(q.shape[-1])
-        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+        return real(q, k, v, bias, mask, scale=scale, is_causal=is_causal, implementation="xla")
 
     rng = np.random.default_rng()
     q, k, v = (jnp.asarray(rng.normal(size=(2, 6, 3, head_size)), jnp.bfloat16) for _ in "qkv")
@@ -454,10 +456,12 @@ def test_cudnn_never_sees_a_query_that_sees_no_key(q_len, k_len, dtype, monkeypa
     real = jax.nn.dot_product_attention
     given_masks = []
 
-    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+    def fake_cudnn(
+        q, k, v, bias=None, mask=None, *, scale=None, is_causal=False, implementation=None
+    ):
         if implementation == "cudnn":
             given_masks.append(np.asarray(mask))
-        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+        return real(q, k, v, bias, mask, scale=scale, is_causal=is_causal, implementation="xla")
 
     rng = np.random.default_rng()
     q = jnp.asarray(rng.normal(size=(2, q_len, 2, 8)), dtype)
@@ -491,10 +495,12 @@ def test_cudnn_is_asked_for_no_gradient_of_a_mask(with_bias, monkeypatch):
     original = cudnn_module.should_export_dbias
     answers = []
 
-    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+    def fake_cudnn(
+        q, k, v, bias=None, mask=None, *, scale=None, is_causal=False, implementation=None
+    ):
         if implementation == "cudnn":
             answers.append(cudnn_module.should_export_dbias(q.shape, q.shape, None))
-        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+        return real(q, k, v, bias, mask, scale=scale, is_causal=is_causal, implementation="xla")
 
     rng = np.random.default_rng()
     q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 2, 8)), jnp.float32) for _ in "qkv")
@@ -523,14 +529,16 @@ def test_a_bias_gradient_is_not_lost_to_another_threads_mask_only_call(monkeypat
     real_bias = jnp.asarray(rng.normal(size=(1, 2, 4, 4)), jnp.float32)
     attend = functools.partial(dot_product_attention, q, q, q, mask, implementation="fused")
 
-    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+    def fake_cudnn(
+        q, k, v, bias=None, mask=None, *, scale=None, is_causal=False, implementation=None
+    ):
         kind = "mask only" if bias is None else "bias"
         answers[kind] = cudnn_module.should_export_dbias(q.shape, q.shape, None)
         if kind == "mask only":
             other.append(threading.Thread(target=lambda: attend(bias=real_bias)))
             other[0].start()
             other[0].join(1.0)  # it cannot trace its call while this one is traced
-        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+        return real(q, k, v, bias, mask, scale=scale, is_causal=is_causal, implementation="xla")
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -631,17 +639,75 @@ def test_packed_rows_reach_cudnn_without_empty_rows_and_train_like_xla(monkeypat
     real = jax.nn.dot_product_attention
     served, empty_rows = [], []
 
-    def fake_cudnn(q, k, v, bias=None, mask=None, *, scale=None, implementation=None):
+    def fake_cudnn(
+        q, k, v, bias=None, mask=None, *, scale=None, is_causal=False, implementation=None
+    ):
         if implementation == "cudnn":
             served.append(q.shape)
             jax.debug.callback(empty_rows.append, jnp.sum(~jnp.any(mask, axis=-1)))
-        return real(q, k, v, bias, mask, scale=scale, implementation="xla")
+        return real(q, k, v, bias, mask, scale=scale, is_causal=is_causal, implementation="xla")
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     test_fused_encoder_decoder_equals_xla_on_packed_rows("bfloat16", "rope")
     assert len(served) == 2 * 2 + 2  # encoder self, decoder self and cross, 2 layers each
     assert len(empty_rows) == len(served) and not any(empty_rows)
+
+
+def test_whole_causal_rows_reach_cudnn_as_its_causal_mask(monkeypatch):
+    """A language model without a memory (whole causal rows: no segments, no padding) on a
+    pretend GPU, bfloat16: every attention call reaches cuDNN (a stand-in computing jax's XLA
+    attention of what it is given) with no mask to read as a bias and is_causal set, and loss
+    and gradients equal the XLA path's. With a memory, the mask is kept."""
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def fake_cudnn(
+        q, k, v, bias=None, mask=None, *, scale=None, is_causal=False, implementation=None
+    ):
+        if implementation == "cudnn":
+            calls.append((mask is None, is_causal))
+        return real(q, k, v, bias, mask, scale=scale, is_causal=is_causal, implementation="xla")
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    tokens = jnp.asarray(np.random.default_rng().integers(0, 29, size=(2, 13)))
+    seed, results = fresh_seed(), []
+    for implementation, model_dtype in _settings("bfloat16"):
+        cfg = LMConfig(
+            vocab_size=29,
+            d_model=16,
+            num_heads=2,
+            num_decoder_layers=2,
+            d_ff=24,
+            dropout=0.0,
+            positional="learned",
+            max_len=12,
+            dtype=model_dtype,
+            attention_impl=implementation,
+        )
+        model = LanguageModel(cfg, rngs=nnx.Rngs(seed))
+        results.append(
+            _model_loss_and_grads(model, lambda m: m(tokens[:, :-1], tokens[:, 1:])[0].mean())
+        )
+    assert calls == [(True, True)] * 2
+    _assert_models_agree(results, "bfloat16")
+    calls.clear()
+    relative = LMConfig(
+        vocab_size=29,
+        d_model=16,
+        num_heads=2,
+        num_decoder_layers=1,
+        d_ff=24,
+        dropout=0.0,
+        mem_len=4,
+        positional="relative",
+        dtype="bfloat16",
+        attention_impl="fused",
+    )
+    model = LanguageModel(relative, rngs=nnx.Rngs(seed))
+    model(tokens[:, :6], tokens[:, 1:7], model.init_memory(2, 4))
+    assert calls == [(False, False)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=SLOW)])

@@ -95,11 +95,19 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
         if reason is None:
             return splash_attention.attention(q, k, v, mask)
         _log_once(f"TPU splash attention cannot serve this call ({reason}); using XLA")
+    structured = mask if isinstance(mask, masks.StructuredMask) else None
     mask = masks.dense(mask)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "gpu":
         try:
-            cudnn_q, cudnn_mask, cudnn_bias = _without_empty_rows(q, mask, bias)
+            # Whole rows (no segments, no window): cuDNN's own causal mask or none, so that no
+            # mask is read as a [B, 1, Lq, Lk] bias.
+            whole_rows = structured and structured.q_segments is None and not structured.window
+            causal = bool(whole_rows and structured.causal)
+            if whole_rows:
+                cudnn_q, cudnn_mask, cudnn_bias = q, None, bias
+            else:
+                cudnn_q, cudnn_mask, cudnn_bias = _without_empty_rows(q, mask, bias)
             cudnn_bias = None if cudnn_bias is None else cudnn_bias.astype(q.dtype)
             size = q.shape[-1]
             padded = (cudnn_q, k, v)
@@ -108,7 +116,12 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
                 padded = tuple(jnp.pad(x, pad) for x in padded)
             with _no_bias_gradient_for_a_mask(cudnn_bias is None):
                 out = jax.nn.dot_product_attention(
-                    *padded, cudnn_bias, cudnn_mask, scale=scale, implementation="cudnn"
+                    *padded,
+                    cudnn_bias,
+                    cudnn_mask,
+                    scale=scale,
+                    is_causal=causal,
+                    implementation="cudnn",
                 )
             return out[..., :size]
         except (NotImplementedError, ValueError, RuntimeError, TypeError) as error:
