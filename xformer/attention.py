@@ -76,14 +76,9 @@ CUDNN_HEAD_MULTIPLE = 8  # cuDNN flash attention takes head sizes that are multi
 
 
 def _fused_attention(q, k, v, mask, bias) -> jax.Array:
-    """On TPU, the splash kernel where it serves (splash_attention.py); on GPU,
-    jax.nn.dot_product_attention's cuDNN implementation unless it refuses the call (dtype,
-    head size, shapes); else, as on every other backend, its XLA implementation. Every
-    reason is logged once.
-
-    A head size that is not a multiple of 8 (WikiText-103's Transformer-XL: 410 / 10 = 41) is
-    zero-padded for cuDNN, with the scale of the true size: the padded features add 0 to every
-    q.k and their outputs, all 0, are sliced off, so the result and its gradients are exact."""
+    """On TPU, the splash kernel where it serves (splash_attention.py); on GPU, cuDNN unless it
+    refuses the call (dtype, head size, shapes); else, as on every other backend,
+    jax.nn.dot_product_attention's XLA implementation. Every reason is logged once."""
     backend = jax.default_backend()
     if backend == "tpu":
         try:
@@ -95,40 +90,50 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
         if reason is None:
             return splash_attention.attention(q, k, v, mask)
         _log_once(f"TPU splash attention cannot serve this call ({reason}); using XLA")
-    structured = mask if isinstance(mask, masks.StructuredMask) else None
-    mask = masks.dense(mask)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    if backend == "gpu":
+    elif backend == "gpu":
         try:
-            # Whole rows (no segments, no window): cuDNN's own causal mask or none, so that no
-            # mask is read as a [B, 1, Lq, Lk] bias.
-            whole_rows = structured and structured.q_segments is None and not structured.window
-            causal = bool(whole_rows and structured.causal)
-            if whole_rows:
-                cudnn_q, cudnn_mask, cudnn_bias = q, None, bias
-            else:
-                cudnn_q, cudnn_mask, cudnn_bias = _without_empty_rows(q, mask, bias)
-            cudnn_bias = None if cudnn_bias is None else cudnn_bias.astype(q.dtype)
-            size = q.shape[-1]
-            padded = (cudnn_q, k, v)
-            if size % CUDNN_HEAD_MULTIPLE:
-                pad = [(0, 0)] * (q.ndim - 1) + [(0, -size % CUDNN_HEAD_MULTIPLE)]
-                padded = tuple(jnp.pad(x, pad) for x in padded)
-            with _no_bias_gradient_for_a_mask(cudnn_bias is None):
-                out = jax.nn.dot_product_attention(
-                    *padded,
-                    cudnn_bias,
-                    cudnn_mask,
-                    scale=scale,
-                    is_causal=causal,
-                    implementation="cudnn",
-                )
-            return out[..., :size]
+            return _cudnn_attention(q, k, v, mask, bias)
         except (NotImplementedError, ValueError, RuntimeError, TypeError) as error:
             _log_once(f"cuDNN flash attention cannot serve this call ({error}); using XLA")
-    elif backend != "tpu":
+    else:
         _log_once(f"no cuDNN on {backend}: jax.nn.dot_product_attention uses its XLA path")
-    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation="xla")
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return jax.nn.dot_product_attention(
+        q, k, v, bias, masks.dense(mask), scale=scale, implementation="xla"
+    )
+
+
+def _cudnn_attention(q, k, v, mask, bias) -> jax.Array:
+    """jax.nn.dot_product_attention's cuDNN implementation (it raises where cuDNN refuses).
+
+    Over whole rows (a StructuredMask without segment ids or window) cuDNN gets its own causal
+    mask, or none, instead of a mask it would read as a [B, 1, Lq, Lk] bias. A head size that
+    is not a multiple of 8 (WikiText-103's Transformer-XL: 410 / 10 = 41) is zero-padded, with
+    the scale of the true size: the padded features add 0 to every q.k and their outputs, all
+    0, are sliced off, so the result and its gradients are exact."""
+    structured = mask if isinstance(mask, masks.StructuredMask) else None
+    whole_rows = structured is not None and structured.q_segments is None and not structured.window
+    if whole_rows:
+        causal, mask = structured.causal, None
+    else:
+        causal = False
+        q, mask, bias = _without_empty_rows(q, masks.dense(mask), bias)
+    bias = None if bias is None else bias.astype(q.dtype)
+    size = q.shape[-1]
+    padded = (q, k, v)
+    if size % CUDNN_HEAD_MULTIPLE:
+        pad = [(0, 0)] * (q.ndim - 1) + [(0, -size % CUDNN_HEAD_MULTIPLE)]
+        padded = tuple(jnp.pad(x, pad) for x in padded)
+    with _no_bias_gradient_for_a_mask(bias is None):
+        out = jax.nn.dot_product_attention(
+            *padded,
+            bias,
+            mask,
+            scale=1.0 / math.sqrt(size),
+            is_causal=causal,
+            implementation="cudnn",
+        )
+    return out[..., :size]
 
 
 _CUDNN_TRACING = threading.RLock()
