@@ -567,12 +567,12 @@ def _settings(dtype: str) -> list[tuple[str, str]]:
     return [("xla", dtype), ("fused", dtype)] + [("xla", "float32")] * (dtype == "bfloat16")
 
 
-def _assert_models_agree(results: list, dtype: str) -> None:
+def _assert_models_agree(results: list, dtype: str, tolerance: float = 0) -> None:
     """(loss, gradients) of the models of `_settings(dtype)`: fused's equal xla's to
-    TOLERANCE[dtype] of each one's scale. A gradient whose terms cancel (a bias's, the sum of
-    dq over positions) is rounded by bfloat16 far beyond its own size, by either path; given
-    the float32 model's (the same parameters), each may also differ by 3x xla's own error
-    against them."""
+    `tolerance` (default TOLERANCE[dtype]) of each one's scale. A gradient whose terms cancel
+    (a bias's, the sum of dq over positions) is rounded by bfloat16 far beyond its own size,
+    by either path; given the float32 model's (the same parameters), each may also differ by
+    3x xla's own error against them."""
     (loss, grads), (fused_loss, fused_grads), *float32 = results
     leaves = [
         dict(jax.tree_util.tree_leaves_with_path(g)) for g in (grads, *(f[1] for f in float32))
@@ -582,11 +582,35 @@ def _assert_models_agree(results: list, dtype: str) -> None:
         for path, g in jax.tree_util.tree_leaves_with_path(fused_grads)
     ]
     for name, got, want, *exact in compared:
-        tolerance = TOLERANCE[dtype]
+        allowed = tolerance or TOLERANCE[dtype]
         if exact:
             own_error = np.abs(np.subtract(want, exact[0], dtype=float)).max()
-            tolerance = max(tolerance, 3 * own_error / max(np.abs(want).max(), 1e-30))
-        assert_close(got, want, dtype, name, tolerance)
+            allowed = max(allowed, 3 * own_error / max(np.abs(want).max(), 1e-30))
+        assert_close(got, want, dtype, name, allowed)
+
+
+def same_seed_models(model_cls, config_cls, settings: list, **config) -> list:
+    """One model per (attention_impl, dtype) of `settings`, all from one fresh seed."""
+    seed = fresh_seed()
+    return [
+        model_cls(config_cls(**config, attention_impl=impl, dtype=dtype), rngs=nnx.Rngs(seed))
+        for impl, dtype in settings
+    ]
+
+
+def translation_loss(src_segments: jax.Array, tgt_segments: jax.Array, vocab: int = 23):
+    """loss(model): label-smoothed cross-entropy of an encoder-decoder on fresh random tokens
+    laid out by the segment ids [B, L] (0 = padding)."""
+    rng = np.random.default_rng()
+    src = jnp.asarray(rng.integers(1, vocab, size=src_segments.shape)) * (src_segments > 0)
+    tgt_in = jnp.asarray(rng.integers(1, vocab, size=tgt_segments.shape)) * (tgt_segments > 0)
+    tgt_out = jnp.asarray(rng.integers(1, vocab, size=tgt_segments.shape))
+
+    def loss(model):
+        logits = model(src, tgt_in, src_segments, tgt_segments)
+        return cross_entropy(logits, tgt_out, (tgt_segments > 0).astype(jnp.float32), 0.1)[0]
+
+    return loss
 
 
 @pytest.mark.parametrize(
@@ -600,35 +624,24 @@ def _assert_models_agree(results: list, dtype: str) -> None:
 )
 def test_fused_encoder_decoder_equals_xla_on_packed_rows(dtype, positional):
     """Loss and every gradient of the whole model on rows packing two examples and padding."""
-    rng = np.random.default_rng()
     src_segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 0, 0]])
     tgt_segments = jnp.asarray([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
-    src = jnp.asarray(rng.integers(1, 23, size=src_segments.shape)) * (src_segments > 0)
-    tgt_in = jnp.asarray(rng.integers(1, 23, size=tgt_segments.shape)) * (tgt_segments > 0)
-    tgt_out = jnp.asarray(rng.integers(1, 23, size=tgt_segments.shape))
-    seed, results = fresh_seed(), []
-    for implementation, model_dtype in _settings(dtype):
-        cfg = TransformerConfig(
-            src_vocab_size=23,
-            tgt_vocab_size=23,
-            d_model=16,
-            num_heads=2,
-            num_encoder_layers=2,
-            num_decoder_layers=2,
-            d_ff=24,
-            dropout=0.0,
-            positional=positional,
-            dtype=model_dtype,
-            attention_impl=implementation,
-        )
-        model = EncoderDecoder(cfg, rngs=nnx.Rngs(seed))
-
-        def loss(model):
-            logits = model(src, tgt_in, src_segments, tgt_segments)
-            return cross_entropy(logits, tgt_out, (tgt_segments > 0).astype(jnp.float32), 0.1)[0]
-
-        results.append(_model_loss_and_grads(model, loss))
-    _assert_models_agree(results, dtype)
+    models = same_seed_models(
+        EncoderDecoder,
+        TransformerConfig,
+        _settings(dtype),
+        src_vocab_size=23,
+        tgt_vocab_size=23,
+        d_model=16,
+        num_heads=2,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=24,
+        dropout=0.0,
+        positional=positional,
+    )
+    loss = translation_loss(src_segments, tgt_segments)
+    _assert_models_agree([_model_loss_and_grads(m, loss) for m in models], dtype)
 
 
 def test_packed_rows_reach_cudnn_without_empty_rows_and_train_like_xla(monkeypatch):
@@ -672,40 +685,30 @@ def test_whole_causal_rows_reach_cudnn_as_its_causal_mask(monkeypatch):
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     tokens = jnp.asarray(np.random.default_rng().integers(0, 29, size=(2, 13)))
-    seed, results = fresh_seed(), []
-    for implementation, model_dtype in _settings("bfloat16"):
-        cfg = LMConfig(
-            vocab_size=29,
-            d_model=16,
-            num_heads=2,
-            num_decoder_layers=2,
-            d_ff=24,
-            dropout=0.0,
-            positional="learned",
-            max_len=12,
-            dtype=model_dtype,
-            attention_impl=implementation,
-        )
-        model = LanguageModel(cfg, rngs=nnx.Rngs(seed))
-        results.append(
-            _model_loss_and_grads(model, lambda m: m(tokens[:, :-1], tokens[:, 1:])[0].mean())
-        )
+    config = dict(vocab_size=29, d_model=16, num_heads=2, d_ff=24, dropout=0.0)
+    models = same_seed_models(
+        LanguageModel,
+        LMConfig,
+        _settings("bfloat16"),
+        **config,
+        num_decoder_layers=2,
+        positional="learned",
+        max_len=12,
+    )
+    loss = lambda model: model(tokens[:, :-1], tokens[:, 1:])[0].mean()  # noqa: E731
+    results = [_model_loss_and_grads(model, loss) for model in models]
     assert calls == [(True, True)] * 2
     _assert_models_agree(results, "bfloat16")
     calls.clear()
-    relative = LMConfig(
-        vocab_size=29,
-        d_model=16,
-        num_heads=2,
+    [model] = same_seed_models(
+        LanguageModel,
+        LMConfig,
+        [("fused", "bfloat16")],
+        **config,
         num_decoder_layers=1,
-        d_ff=24,
-        dropout=0.0,
         mem_len=4,
         positional="relative",
-        dtype="bfloat16",
-        attention_impl="fused",
     )
-    model = LanguageModel(relative, rngs=nnx.Rngs(seed))
     model(tokens[:, :6], tokens[:, 1:7], model.init_memory(2, 4))
     assert calls == [(False, False)]
 
@@ -714,29 +717,26 @@ def test_whole_causal_rows_reach_cudnn_as_its_causal_mask(monkeypatch):
 def test_fused_transformer_xl_equals_xla_through_the_memory(dtype):
     """Loss and gradients of a second segment attending over the first's memory."""
     tokens = jnp.asarray(np.random.default_rng().integers(0, 29, size=(2, 13)))
-    seed, results = fresh_seed(), []
-    for implementation, model_dtype in _settings(dtype):
-        cfg = LMConfig(
-            vocab_size=29,
-            d_model=16,
-            num_heads=2,
-            num_decoder_layers=2,
-            d_ff=24,
-            dropout=0.0,
-            mem_len=6,
-            positional="relative",
-            dtype=model_dtype,
-            attention_impl=implementation,
-        )
-        model = LanguageModel(cfg, rngs=nnx.Rngs(seed))
+    models = same_seed_models(
+        LanguageModel,
+        LMConfig,
+        _settings(dtype),
+        vocab_size=29,
+        d_model=16,
+        num_heads=2,
+        num_decoder_layers=2,
+        d_ff=24,
+        dropout=0.0,
+        mem_len=6,
+        positional="relative",
+    )
 
-        def loss(model):
-            _, memory = model(tokens[:, :6], tokens[:, 1:7], model.init_memory(2, 6))
-            nll, _ = model(tokens[:, 6:12], tokens[:, 7:13], memory)
-            return nll.mean()
+    def loss(model):
+        _, memory = model(tokens[:, :6], tokens[:, 1:7], model.init_memory(2, 6))
+        nll, _ = model(tokens[:, 6:12], tokens[:, 7:13], memory)
+        return nll.mean()
 
-        results.append(_model_loss_and_grads(model, loss))
-    _assert_models_agree(results, dtype)
+    _assert_models_agree([_model_loss_and_grads(m, loss) for m in models], dtype)
 
 
 def _tiny_real_config(family: str, tfds_dir: str, dtype: str):
