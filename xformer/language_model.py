@@ -105,7 +105,9 @@ class LanguageModel(nnx.Module):
             x = x + self.positional.embed(positions).astype(x.dtype)
         return self.dropout(x)
 
-    def _mask(self, layout: Layout, key_valid: jax.Array | None, structured: bool = False):
+    def _mask(
+        self, layout: Layout, key_valid: jax.Array | None, structured: bool = False
+    ) -> masks.Mask:
         cfg = self.cfg
         return masks.attention_mask(
             cfg.decoder_mask,

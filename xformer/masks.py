@@ -137,7 +137,8 @@ def attention_mask(
 ) -> "Mask":
     """The scheme's mask AND same-example (segment ids [B, Lq], [B, Lk]; 0 = padding) AND
     valid keys ([B, Lk] bool) -> [B or 1, 1, Lq, Lk]. `structured`: a `StructuredMask` where
-    the mask has that form (causal or all keys, on aligned positions, no key_valid)."""
+    the mask has that form (causal, all keys or a sliding window, on aligned positions, with
+    no key_valid)."""
     visible = MASK_SCHEMES[kind].visible(layout, window=window, prefix_length=prefix_length)
     mask = visible[None, None]
     if q_segments is not None:

@@ -69,7 +69,7 @@ class EncoderDecoder(nnx.Module):
         encoding = scheme.embed(positions)
         return self.embed_dropout(x if encoding is None else x + encoding.astype(x.dtype))
 
-    def _self_mask(self, kind: str, layout: Layout, segments: jax.Array):
+    def _self_mask(self, kind: str, layout: Layout, segments: jax.Array) -> masks.Mask:
         return masks.attention_mask(
             kind,
             layout,

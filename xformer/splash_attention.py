@@ -52,19 +52,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: masks.StructuredMa
     """softmax(q k^T / sqrt(D), masked) v by the splash kernel: q [B, Lq, H, D], k and v [B, Lk,
     H, D] -> [B, Lq, H, D]. Under a mesh that splits the work, each device runs the kernel on
     its own rows (data x fsdp) and heads (tensor): XLA cannot partition a Pallas call."""
-    segments = (mask.q_segments, mask.k_segments)
-    segmented = segments[0] is not None
+    segments = () if mask.q_segments is None else (mask.q_segments, mask.k_segments)
 
     def local(q, k, v, *segments):
         kernel = _kernel(q.shape[2], q.shape[1], k.shape[1], mask.causal, mask.window, INTERPRET)
         heads_first = [x.swapaxes(1, 2) for x in (q / math.sqrt(q.shape[-1]), k, v)]
-        if segmented:
+        if segments:
             call = lambda q, k, v, qs, ks: kernel(q, k, v, splash.SegmentIds(qs, ks))  # noqa: E731
         else:
             call = kernel
         return jax.vmap(call)(*heads_first, *segments).swapaxes(1, 2)
 
-    segments = segments if segmented else ()
     mesh = _split_mesh()
     if mesh is None:
         return local(q, k, v, *segments)
