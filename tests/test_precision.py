@@ -551,12 +551,14 @@ def test_a_bias_gradient_is_not_lost_to_another_threads_mask_only_call(monkeypat
 
 
 def _model_loss_and_grads(model, loss_fn):
-    """loss_fn(model) and its gradients with respect to every parameter, compiled."""
+    """loss_fn(model) and its gradients with respect to every parameter, compiled. (A copy of
+    the model's state is merged, so that a remat layer may update its RNG counts there.)"""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     @jax.jit
     def run(params):
-        return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest)))(params)
+        model = lambda p: nnx.merge(graphdef, p, rest, copy=True)  # noqa: E731
+        return jax.value_and_grad(lambda p: loss_fn(model(p)))(params)
 
     return run(params)
 

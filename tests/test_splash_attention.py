@@ -180,10 +180,13 @@ def test_a_jax_without_the_kernel_takes_xla(pretend_tpu, monkeypatch):
     np.testing.assert_allclose(fused(q), reference, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_encoder_decoder_on_splash_trains_like_xla(dtype, pretend_tpu):
+@pytest.mark.parametrize(
+    "dtype,remat", [("float32", "none"), ("bfloat16", "none"), ("float32", "dots")]
+)
+def test_encoder_decoder_on_splash_trains_like_xla(dtype, remat, pretend_tpu):
     """Loss and every gradient of a whole encoder-decoder (rotary positions: no bias) on rows
-    of 128 packing three examples and padding: splash serves all three attention kinds."""
+    of 128 packing three examples and padding: splash serves all three attention kinds, also
+    inside remat's recomputed layers ("dots" recomputes attention in the backward pass)."""
     rng = np.random.default_rng()
     src_segments, tgt_segments = (jnp.asarray(packed_segments(rng, 2, 128)) for _ in "st")
     models = same_seed_models(
@@ -199,6 +202,7 @@ def test_encoder_decoder_on_splash_trains_like_xla(dtype, pretend_tpu):
         d_ff=48,
         dropout=0.0,
         positional="rope",
+        remat=remat,
     )
     loss = translation_loss(src_segments, tgt_segments)
     assert [pallas_calls(loss, m) for m in models] == [0, 3] + [0] * (dtype == "bfloat16")
