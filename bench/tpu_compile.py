@@ -125,7 +125,7 @@ def main() -> None:
             "analytic_tflop": analytic / 1e12,
             "flop_floor_ms": flops / (peak * 1e12) * 1e3 if peak else None,
             "collectives": op_profile.collectives(hlo),
-            "splash_calls": hlo.count('custom_call_target="tpu_custom_call"'),
+            "pallas_calls": hlo.count('custom_call_target="tpu_custom_call"'),
         }
         results.append(result)
         fits = "" if hbm is None else f" of {hbm} GiB ({step_gib / hbm:.0%})"
@@ -138,7 +138,7 @@ def main() -> None:
             f"{step_gib:.2f} GiB per chip{fits}; XLA {flops / 1e12:.2f} TFLOP per chip "
             f"(analytic {analytic / 1e12:.2f} in all), "
             f"{result['flop_floor_ms'] or float('nan'):.1f} ms at peak; "
-            f"{result['splash_calls']} Pallas calls; collectives: {comms or 'none'}",
+            f"{result['pallas_calls']} Pallas calls; collectives: {comms or 'none'}",
             flush=True,
         )
         if args.out:

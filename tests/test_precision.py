@@ -33,6 +33,16 @@ from xformer.positional.base import BoundScheme
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW = pytest.mark.slow
+TINY_TRANSLATION = dict(  # the model tests' encoder-decoder (TransformerConfig keywords)
+    src_vocab_size=23,
+    tgt_vocab_size=23,
+    d_model=16,
+    num_heads=2,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    d_ff=24,
+)
+TINY_LM = dict(vocab_size=29, d_model=16, num_heads=2, num_decoder_layers=2, d_ff=24)
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2}  # fused vs xla, relative to the values' scale
 BFLOAT16_STEP = 2.0**-8  # one rounding step of bfloat16 (8 significant bits), relative
 
@@ -84,13 +94,7 @@ def test_fully_masked_queries_give_finite_outputs_in_half_precision():
 
 def float64_translation(seed: int, **overrides) -> EncoderDecoder:
     cfg = TransformerConfig(
-        src_vocab_size=23,
-        tgt_vocab_size=23,
-        d_model=16,
-        num_heads=2,
-        num_encoder_layers=2,
-        num_decoder_layers=2,
-        d_ff=24,
+        **TINY_TRANSLATION,
         dtype="float64",
         param_dtype="float64",
         **overrides,
@@ -127,11 +131,7 @@ def test_float64_transformer_xl_matches_numpy_over_two_segments(positional):
     rng = np.random.default_rng()
     with jax.enable_x64(True):
         cfg = LMConfig(
-            vocab_size=29,
-            d_model=16,
-            num_heads=2,
-            num_decoder_layers=2,
-            d_ff=24,
+            **TINY_LM,
             mem_len=5,
             positional=positional,
             dtype="float64",
@@ -187,11 +187,7 @@ def test_bfloat16_computes_in_bfloat16_and_scores_in_float32(param_dtype):
 
 def test_bfloat16_transformer_xl_keeps_its_memory_in_bfloat16():
     cfg = LMConfig(
-        vocab_size=29,
-        d_model=16,
-        num_heads=2,
-        num_decoder_layers=2,
-        d_ff=24,
+        **TINY_LM,
         mem_len=4,
         positional="relative",
         dtype="bfloat16",
@@ -632,13 +628,7 @@ def test_fused_encoder_decoder_equals_xla_on_packed_rows(dtype, positional):
         EncoderDecoder,
         TransformerConfig,
         _settings(dtype),
-        src_vocab_size=23,
-        tgt_vocab_size=23,
-        d_model=16,
-        num_heads=2,
-        num_encoder_layers=2,
-        num_decoder_layers=2,
-        d_ff=24,
+        **TINY_TRANSLATION,
         dropout=0.0,
         positional=positional,
     )
@@ -687,13 +677,12 @@ def test_whole_causal_rows_reach_cudnn_as_its_causal_mask(monkeypatch):
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     tokens = jnp.asarray(np.random.default_rng().integers(0, 29, size=(2, 13)))
-    config = dict(vocab_size=29, d_model=16, num_heads=2, d_ff=24, dropout=0.0)
     models = same_seed_models(
         LanguageModel,
         LMConfig,
         _settings("bfloat16"),
-        **config,
-        num_decoder_layers=2,
+        **TINY_LM,
+        dropout=0.0,
         positional="learned",
         max_len=12,
     )
@@ -706,8 +695,8 @@ def test_whole_causal_rows_reach_cudnn_as_its_causal_mask(monkeypatch):
         LanguageModel,
         LMConfig,
         [("fused", "bfloat16")],
-        **config,
-        num_decoder_layers=1,
+        **TINY_LM | dict(num_decoder_layers=1),
+        dropout=0.0,
         mem_len=4,
         positional="relative",
     )
@@ -723,11 +712,7 @@ def test_fused_transformer_xl_equals_xla_through_the_memory(dtype):
         LanguageModel,
         LMConfig,
         _settings(dtype),
-        vocab_size=29,
-        d_model=16,
-        num_heads=2,
-        num_decoder_layers=2,
-        d_ff=24,
+        **TINY_LM,
         dropout=0.0,
         mem_len=6,
         positional="relative",
