@@ -22,9 +22,12 @@ def random_pairs(rng: np.random.Generator, n: int) -> EncodedPairs:
     return EncodedPairs.from_sequences(src, tgt)
 
 
-def reference_batches(pairs: EncodedPairs, members: np.ndarray, num_batches: int) -> list:
+def reference_batches(
+    pairs: EncodedPairs, members: np.ndarray, num_batches: int, max_pairs: int = 0
+) -> list:
     """The specification, one pair and one bin at a time: pairs in the order of
-    default_rng([SEED, epoch]).permutation, each into the first bin with room for both sides;
+    default_rng([SEED, epoch]).permutation, each into the first bin with room for both sides
+    (and fewer than max_pairs pairs, if given);
     the first pair that fits no bin closes the round (and opens the next); a round's rows are
     served in the order default_rng([SEED, round start]).permutation(BINS)."""
     rows, position = [], 0
@@ -37,6 +40,7 @@ def reference_batches(pairs: EncodedPairs, members: np.ndarray, num_batches: int
             room = [
                 sum(len(s) for s, _ in b) + len(src) <= LENGTH
                 and sum(len(t) for _, t in b) + len(tgt) <= LENGTH
+                and (not max_pairs or len(b) < max_pairs)
                 for b in bins
             ]
             if not any(room):
@@ -75,6 +79,27 @@ def test_packing_equals_the_plain_python_packer_over_several_epochs():
         for key in batch:
             assert batch[key].dtype == np.int32 and batch[key].shape == (ROWS, LENGTH)
             np.testing.assert_array_equal(batch[key], expected[key], err_msg=key)
+
+
+def test_a_row_holds_at_most_max_pairs_per_row():
+    """data.max_pairs_per_row = 2: the same first-fit specification with that cap (pairs of
+    1-4 tokens would put ~5 in a row without it)."""
+    rng = np.random.default_rng()
+    pairs = random_pairs(rng, 40)
+    short = EncodedPairs.from_sequences(
+        *(
+            [side[i][-int(rng.integers(1, 5)) :] for i in range(40)]
+            for side in (pairs.src, pairs.tgt)
+        )
+    )
+    want = reference_batches(short, np.arange(40), 10, max_pairs=2)
+    have = iter(packed_train_dataset(short, **SETTINGS, max_pairs_per_row=2))
+    for batch, expected in zip((next(have) for _ in want), want, strict=True):
+        for key in batch:
+            np.testing.assert_array_equal(batch[key], expected[key], err_msg=key)
+    assert max(b["src_segments"].max() for b in want) == 2
+    uncapped = next(iter(packed_train_dataset(short, **SETTINGS)))
+    assert uncapped["src_segments"].max() > 2
 
 
 def test_every_position_resumes_exactly():

@@ -50,6 +50,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.max_train_length = 64  # packed row length; longer training pairs are dropped
     c.data.segment_length = 128  # language modelling: tokens per row per training step
     c.data.num_packing_bins = 0  # first-fit bins per packing round (0 = 4 x rows per shard)
+    # The most pairs a packed row holds (0 = no limit). It also sizes cuDNN's segment slots
+    # under model.attention_impl=fused_packed (without it: one slot per position).
+    c.data.max_pairs_per_row = 0
     # Translation: each training batch joins this many independent packed streams (disjoint
     # shares of the pairs, train.batch_size / input_shards rows each); a process reads
     # input_shards / processes of them (0 = one per process). Fix it to get the same batches
@@ -237,6 +240,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if d.source_lang == d.target_lang and m.family == "encoder_decoder":
         raise ValueError("data.source_lang and data.target_lang must differ")
+    if d.max_pairs_per_row < 0:
+        raise ValueError(
+            f"data.max_pairs_per_row must be >= 0 (0 = no limit), got {d.max_pairs_per_row}"
+        )
     for key in ("batch_size", "num_steps", "log_every", "eval_every", "checkpoint_every"):
         if t[key] <= 0:
             raise ValueError(f"train.{key} must be positive, got {t[key]}")

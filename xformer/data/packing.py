@@ -1,12 +1,13 @@
 """First-fit packing of sentence pairs into fixed-shape training rows, fast enough to feed a GPU.
 
 A packing round places pairs, in a shuffled order, into `num_bins` rows of `length` source and
-`length` target positions: each pair goes into the first row with room for both of its sides,
-and the first pair that fits no row closes the round and opens the next one (so every row of a
-round holds at least one pair). The round's rows are then served in a shuffled order,
-`rows_per_batch` at a time. A round depends only on where it starts in the endless shuffled
-order (every epoch reshuffled), so the iterator's state is (round start, rows of it served): a
-resumed iterator packs that round again and continues exactly.
+`length` target positions: each pair goes into the first row with room for both of its sides
+(and, with `max_pairs`, holding fewer than that many pairs), and the first pair that fits no
+row closes the round and opens the next one (so every row of a round holds at least one pair).
+The round's rows are then served in a shuffled order, `rows_per_batch` at a time. A round
+depends only on where it starts in the endless shuffled order (every epoch reshuffled), so the
+iterator's state is (round start, rows of it served): a resumed iterator packs that round again
+and continues exactly.
 
 Only the placement is a Python loop (a few vector operations per pair over the bins); the rows
 are written in one vectorized gather and scatter per side: a WMT14 batch ([96, 256]) takes
@@ -30,7 +31,8 @@ class PackedPairs(grain.IterDataset):
     `length` tokens): {"src", "src_segments", "src_positions", "tgt_in", "tgt_out",
     "tgt_segments", "tgt_positions": [rows_per_batch, length] int32}. Segment ids count a row's
     pairs from 1 (0 = padding), positions restart at 0 for each pair, and tgt_in is BOS + tgt_out
-    without its last token, pair by pair."""
+    without its last token, pair by pair. `max_pairs`: the most pairs a row holds (0: no
+    limit)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class PackedPairs(grain.IterDataset):
         num_bins: int,
         rows_per_batch: int,
         seed: int,
+        max_pairs: int = 0,
     ):
         super().__init__()
         if len(members) == 0:
@@ -50,7 +53,7 @@ class PackedPairs(grain.IterDataset):
             raise ValueError(f"{int(too_long.sum())} pairs have a side longer than {length}")
         self.pairs, self.members = pairs, np.asarray(members, np.int64)
         self.length, self.num_bins = length, num_bins
-        self.rows_per_batch, self.seed = rows_per_batch, seed
+        self.rows_per_batch, self.seed, self.max_pairs = rows_per_batch, seed, max_pairs
 
     def __iter__(self) -> "PackedPairsIterator":
         return PackedPairsIterator(self)
@@ -111,12 +114,13 @@ class PackedPairsIterator(grain.DatasetIterator):
         spec = self._spec
         free_src = np.full(spec.num_bins, spec.length)
         free_tgt = np.full(spec.num_bins, spec.length)
+        room = np.full(spec.num_bins, spec.max_pairs or spec.length)  # pairs a row may still take
         pair_ids, bins, src_at, tgt_at = [], [], [], []
         position, size = start, len(spec.members)
         while True:
             epoch, i = divmod(position, size)
             src_len, tgt_len, chosen = self._epoch_order(epoch)
-            fits = (free_src >= src_len[i]) & (free_tgt >= tgt_len[i])
+            fits = (free_src >= src_len[i]) & (free_tgt >= tgt_len[i]) & (room > 0)
             b = int(fits.argmax())
             if not fits[b]:
                 break
@@ -126,6 +130,7 @@ class PackedPairsIterator(grain.DatasetIterator):
             tgt_at.append(spec.length - free_tgt[b])
             free_src[b] -= src_len[i]
             free_tgt[b] -= tgt_len[i]
+            room[b] -= 1
             position += 1
         pair_ids, bins = np.asarray(pair_ids), np.asarray(bins)
         # segment id of each pair: its rank among the pairs of its bin, from 1

@@ -94,6 +94,7 @@ def packed_train_dataset(
     max_length: int,
     seed: int,
     num_packing_bins: int = 0,
+    max_pairs_per_row: int = 0,
     num_shards: int = 1,
     shards: Sequence[int] = (0,),
 ) -> grain.IterDataset:
@@ -103,7 +104,8 @@ def packed_train_dataset(
     packing the pairs s, s + num_shards, ... into batch_size / num_shards rows; this dataset
     yields the rows of `shards` (one process's consecutive shards), so the global batches do not
     depend on how many processes read them. Pairs with a side longer than max_length are
-    dropped (training only). Each element maps names to int32 arrays
+    dropped (training only); a row holds at most max_pairs_per_row pairs (0: no limit). Each
+    element maps names to int32 arrays
     [len(shards) * batch_size / num_shards, max_length].
     """
     keep = np.flatnonzero((pairs.src.lengths <= max_length) & (pairs.tgt.lengths <= max_length))
@@ -122,6 +124,7 @@ def packed_train_dataset(
             num_bins=num_packing_bins or 4 * rows,
             rows_per_batch=rows,
             seed=seed,
+            max_pairs=max_pairs_per_row,
         )
 
     if len(shards) == 1:
