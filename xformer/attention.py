@@ -13,20 +13,20 @@ import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
-from xformer import masks, precision
+from xformer import cudnn_packed, masks, precision
 from xformer.dropout import Dropout
 from xformer.layout import Layout
 from xformer.linear import Linear, Projections
 from xformer.positional.base import BoundScheme
 
-IMPLEMENTATIONS = ("xla", "fused")  # model.attention_impl
+IMPLEMENTATIONS = ("xla", "fused", "fused_packed")  # model.attention_impl
 _LOGGED: set[str] = set()
 
 
 def _log_once(message: str) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
-        logging.warning("attention_impl='fused': %s", message)
+        logging.warning("model.attention_impl (fused attention): %s", message)
 
 
 def dot_product_attention(
@@ -44,20 +44,22 @@ def dot_product_attention(
     masks.StructuredMask around one), bias broadcastable to [B, H, Lq, Lk] -> [B, Lq, H, D].
     Logits and softmax are at least float32. implementation "xla": the einsum reference;
     "fused": flash attention where it can serve (cuDNN on GPU, Pallas' splash kernel on TPU
-    for structured masks), jax.nn.dot_product_attention's XLA implementation elsewhere.
-    Dropout on the weights has no fused form, so active attention dropout takes the reference
-    path.
+    for structured masks), jax.nn.dot_product_attention's XLA implementation elsewhere;
+    "fused_packed": the same, but on GPU packed rows go to cuDNN as segment lengths and
+    offsets (cudnn_packed.py) rather than as their mask. Dropout on the weights has no fused
+    form, so active attention dropout takes the reference path.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {implementation!r} not in {IMPLEMENTATIONS}")
     dropping = dropout is not None and dropout.rate > 0 and not dropout.deterministic
-    if implementation == "fused" and dropping:
+    fused = implementation != "xla"
+    if fused and dropping:
         _log_once(
             "jax.nn.dot_product_attention has no dropout on the attention weights; with "
             f"model.attention_dropout={dropout.rate} training attention runs the xla path"
         )
-    elif implementation == "fused":
-        return _fused_attention(q, k, v, mask, bias)
+    elif fused:
+        return _fused_attention(q, k, v, mask, bias, packed=implementation == "fused_packed")
     mask = masks.dense(mask)
     logits = precision.wide_einsum("bqhd,bkhd->bhqk", q, k)
     logits_dtype = logits.dtype
@@ -75,7 +77,7 @@ def dot_product_attention(
 CUDNN_HEAD_MULTIPLE = 8  # cuDNN flash attention takes head sizes that are multiples of 8
 
 
-def _fused_attention(q, k, v, mask, bias) -> jax.Array:
+def _fused_attention(q, k, v, mask, bias, packed: bool = False) -> jax.Array:
     """On TPU, the splash kernel where it serves (splash_attention.py); on GPU, cuDNN unless it
     refuses the call (dtype, head size, shapes); else, as on every other backend,
     jax.nn.dot_product_attention's XLA implementation. Every reason is logged once."""
@@ -92,7 +94,7 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
         _log_once(f"TPU splash attention cannot serve this call ({reason}); using XLA")
     elif backend == "gpu":
         try:
-            return _cudnn_attention(q, k, v, mask, bias)
+            return _cudnn_attention(q, k, v, mask, bias, packed)
         except (NotImplementedError, ValueError, RuntimeError, TypeError) as error:
             _log_once(f"cuDNN flash attention cannot serve this call ({error}); using XLA")
     else:
@@ -103,14 +105,39 @@ def _fused_attention(q, k, v, mask, bias) -> jax.Array:
     )
 
 
-def _cudnn_attention(q, k, v, mask, bias) -> jax.Array:
+def _cudnn_attention(q, k, v, mask, bias, packed: bool = False) -> jax.Array:
     """jax.nn.dot_product_attention's cuDNN implementation (it raises where cuDNN refuses).
 
     Over whole rows (a StructuredMask without segment ids or window) cuDNN gets its own causal
-    mask, or none, instead of a mask it would read as a [B, 1, Lq, Lk] bias. A head size that
-    is not a multiple of 8 (WikiText-103's Transformer-XL: 410 / 10 = 41) is zero-padded, with
-    the scale of the true size: the padded features add 0 to every q.k and their outputs, all
-    0, are sliced off, so the result and its gradients are exact."""
+    mask, or none, instead of a mask it would read as a [B, 1, Lq, Lk] bias; with `packed`,
+    packed rows go to cuDNN's packed-sequence mode where it serves them (cudnn_packed.py). A
+    head size that is not a multiple of 8 (WikiText-103's Transformer-XL: 410 / 10 = 41) is
+    zero-padded, with the scale of the true size: the padded features add 0 to every q.k and
+    their outputs, all 0, are sliced off, so the result and its gradients are exact."""
+    size = q.shape[-1]
+    scale = 1.0 / math.sqrt(size)
+
+    def padded(*xs):
+        if not size % CUDNN_HEAD_MULTIPLE:
+            return xs
+        pad = [(0, 0)] * (q.ndim - 1) + [(0, -size % CUDNN_HEAD_MULTIPLE)]
+        return tuple(jnp.pad(x, pad) for x in xs)
+
+    if packed:
+        reason = cudnn_packed.unsupported(mask, bias)
+        if reason is None:
+            if not mask.max_segments:
+                _log_once(
+                    "packed mode without data.max_pairs_per_row: one segment slot per position "
+                    f"({q.shape[1]}), so cuDNN keeps softmax statistics [B * {q.shape[1]}, H, "
+                    f"{q.shape[1]}] in float32; set data.max_pairs_per_row"
+                )
+            try:
+                return cudnn_packed.attention(*padded(q, k, v), mask, scale)[..., :size]
+            except NotImplementedError as error:  # e.g. before Hopper: no packed layout
+                reason = str(error)
+        if isinstance(mask, masks.StructuredMask) and mask.q_segments is not None:
+            _log_once(f"cuDNN's packed mode cannot serve this call ({reason}); it reads the mask")
     structured = mask if isinstance(mask, masks.StructuredMask) else None
     whole_rows = structured is not None and structured.q_segments is None and not structured.window
     if whole_rows:
@@ -119,17 +146,12 @@ def _cudnn_attention(q, k, v, mask, bias) -> jax.Array:
         causal = False
         q, mask, bias = _without_empty_rows(q, masks.dense(mask), bias)
     bias = None if bias is None else bias.astype(q.dtype)
-    size = q.shape[-1]
-    padded = (q, k, v)
-    if size % CUDNN_HEAD_MULTIPLE:
-        pad = [(0, 0)] * (q.ndim - 1) + [(0, -size % CUDNN_HEAD_MULTIPLE)]
-        padded = tuple(jnp.pad(x, pad) for x in padded)
     with _no_bias_gradient_for_a_mask(bias is None):
         out = jax.nn.dot_product_attention(
-            *padded,
+            *padded(q, k, v),
             bias,
             mask,
-            scale=1.0 / math.sqrt(size),
+            scale=scale,
             is_causal=causal,
             implementation="cudnn",
         )

@@ -134,11 +134,12 @@ def attention_mask(
     k_segments: jax.Array | None = None,
     key_valid: jax.Array | None = None,
     structured: bool = False,
+    max_segments: int = 0,
 ) -> "Mask":
     """The scheme's mask AND same-example (segment ids [B, Lq], [B, Lk]; 0 = padding) AND
     valid keys ([B, Lk] bool) -> [B or 1, 1, Lq, Lk]. `structured`: a `StructuredMask` where
     the mask has that form (causal, all keys or a sliding window, on aligned positions, with
-    no key_valid)."""
+    no key_valid), with `max_segments` (see there)."""
     visible = MASK_SCHEMES[kind].visible(layout, window=window, prefix_length=prefix_length)
     mask = visible[None, None]
     if q_segments is not None:
@@ -149,7 +150,9 @@ def attention_mask(
     if structured and kind in STRUCTURED_KINDS and aligned and key_valid is None:
         causal = kind == "causal" or (kind == "sliding_window" and layout.causal)
         window = window if kind == "sliding_window" else 0
-        return StructuredMask(mask, q_segments, k_segments, causal=causal, window=window)
+        return StructuredMask(
+            mask, q_segments, k_segments, causal=causal, window=window, max_segments=max_segments
+        )
     return mask
 
 
@@ -167,7 +170,8 @@ class StructuredMask:
     same example" on aligned query and key positions, with what a blockwise kernel (TPU splash
     attention) builds it from instead of reading `dense`: segment ids q_segments [B, Lq],
     k_segments [B, Lk] (0 = padding; None: one example a row, no padding), `causal` and
-    `window`. dense [B or 1, 1, Lq, Lk] is the XLA path's.
+    `window`. dense [B or 1, 1, Lq, Lk] is the XLA path's. `max_segments`: the most segments
+    a row holds (0: no bound given; ids are ascending contiguous runs where it is used).
 
     Rows of padding queries (whose outputs nothing scores) may differ between the two: a
     kernel compares segment ids, so padding queries attend to padding keys there."""
@@ -177,6 +181,7 @@ class StructuredMask:
     k_segments: jax.Array | None
     causal: bool = dataclasses.field(metadata=dict(static=True))
     window: int = dataclasses.field(default=0, metadata=dict(static=True))
+    max_segments: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 Mask = jax.Array | StructuredMask  # what attention takes
@@ -187,11 +192,17 @@ def dense(mask: Mask | None) -> jax.Array | None:
     return mask.dense if isinstance(mask, StructuredMask) else mask
 
 
-def cross_mask(q_segments: jax.Array, k_segments: jax.Array) -> StructuredMask:
+def cross_mask(
+    q_segments: jax.Array, k_segments: jax.Array, max_segments: int = 0
+) -> StructuredMask:
     """Cross-attention: non-padding queries see the non-padding keys of their own example.
     [B, Lq], [B, Lk] segment ids -> a StructuredMask over all keys."""
     return StructuredMask(
-        segment_mask(q_segments, k_segments), q_segments, k_segments, causal=False
+        segment_mask(q_segments, k_segments),
+        q_segments,
+        k_segments,
+        causal=False,
+        max_segments=max_segments,
     )
 
 

@@ -62,9 +62,12 @@ class StackConfig:
     )
     attention_impl: str = option(
         "xla",
-        "xla: einsum attention (the reference); fused: jax.nn.dot_product_attention, cuDNN "
-        "flash attention on GPU where it can serve, XLA elsewhere",
-        ("xla", "fused"),
+        "xla: einsum attention (the reference); fused: flash attention where it can serve "
+        "(cuDNN on GPU, Pallas splash on TPU), jax.nn.dot_product_attention's XLA path "
+        "elsewhere; fused_packed: fused, and on GPU packed rows reach cuDNN as segment "
+        "lengths and offsets instead of a mask (segment ids must be ascending contiguous runs, "
+        "as xformer's batches are)",
+        ("xla", "fused", "fused_packed"),
     )
     remat: str = option(
         "none",
@@ -109,6 +112,9 @@ class TransformerConfig(StackConfig):
         "causal", "decoder self-attention masking scheme", masks.names_for(masks.DECODER)
     )
     share_embeddings: bool = option(True, "source and target share one table (joint vocab)")
+    # Not a config key: the most segments a packed row holds (data.max_pairs_per_row; 0 = no
+    # limit), which sizes cuDNN's segment slots under attention_impl="fused_packed".
+    max_segments: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -77,6 +77,7 @@ class EncoderDecoder(nnx.Module):
             q_segments=segments,
             k_segments=segments,
             structured=True,
+            max_segments=self.cfg.max_segments,
         )
 
     def _logits(self, x: jax.Array) -> jax.Array:
@@ -124,7 +125,7 @@ class EncoderDecoder(nnx.Module):
         x = self._embed(self.tgt_embed, self.tgt_positional, tgt_in, tgt_positions)
         layout = Layout(tgt_in.shape[1], tgt_in.shape[1])
         self_mask = self._self_mask(self.cfg.decoder_mask, layout, tgt_segments)
-        cross_mask = masks.cross_mask(tgt_segments, src_segments)
+        cross_mask = masks.cross_mask(tgt_segments, src_segments, self.cfg.max_segments)
         positional = BoundScheme.bind(self.tgt_positional, layout)
         for i, layer in enumerate(self.decoder):
             x = apply_layer(

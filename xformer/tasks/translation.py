@@ -61,6 +61,19 @@ def padded_batches(pairs: EncodedPairs, batch_size: int) -> list[dict[str, np.nd
     return batches
 
 
+def model_cfg_for(
+    config: ml_collections.ConfigDict, src_vocab_size: int, tgt_vocab_size: int
+) -> model_config.TransformerConfig:
+    """The model's dataclass, with what the data decides: vocabulary sizes and the most
+    segments a packed row holds (data.max_pairs_per_row)."""
+    return model_config.from_config(
+        config.model,
+        src_vocab_size=src_vocab_size,
+        tgt_vocab_size=tgt_vocab_size,
+        max_segments=config.data.max_pairs_per_row,
+    )
+
+
 class TranslationTask:
     carry_batch_axes: dict = {}  # no carry
 
@@ -72,11 +85,7 @@ class TranslationTask:
             self.src_tok, self.tgt_tok = load_tokenizers(
                 config, workdir, train_if_missing=train_if_missing
             )
-        model_cfg = model_config.from_config(
-            config.model,
-            src_vocab_size=self.src_tok.vocab_size,
-            tgt_vocab_size=self.tgt_tok.vocab_size,
-        )
+        model_cfg = model_cfg_for(config, self.src_tok.vocab_size, self.tgt_tok.vocab_size)
         self.exp = experiment_lib.setup(config, workdir, EncoderDecoder, model_cfg)
         self._evaluator = None
 
@@ -108,6 +117,7 @@ class TranslationTask:
             max_length=c.data.max_train_length,
             seed=c.train.seed,
             num_packing_bins=c.data.num_packing_bins,
+            max_pairs_per_row=c.data.max_pairs_per_row,
             num_shards=num_shards,
             shards=range(first, first + per_process),
         )
