@@ -23,6 +23,8 @@
 #   prof_fused  the clean setting again, traced: where the step's time goes
 #   packed_attn bench/gpu_packed_attention.py: wmt14's attention calls with the segment mask as
 #               a bias (today) against cuDNN's packed-sequence mode and unmasked
+#   packed      the clean setting with attention_impl=fused_packed (cuDNN's packed mode in the
+#               model, 16 segment slots a row: data.max_pairs_per_row=16), to set beside clean
 #   ptb         train.py + eval.py, PTB Transformer-XL, bf16 fused (passed on 2026-11-27)
 #   no_triton   the clean setting with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   prof_xl     wt103_xl bf16 fused, traced
@@ -161,6 +163,9 @@ step_packed_attn() {  # cuDNN on packed rows: the mask as a bias against per-seg
   run packed_attn 95 "$PY" bench/gpu_packed_attention.py
   show packed_attn "^\| (encoder|decoder|cross)|Error"
 }
+step_packed() {
+  throughput packed --configs wmt14 --impls fused_packed --set data.max_pairs_per_row=16
+}
 step_no_triton() {  # the clean setting with every GEMM on cuBLAS (XLA may tile some in Triton)
   (export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=false"
     throughput no_triton --configs wmt14 --impls fused)
@@ -194,12 +199,12 @@ step_remat() {
 
 steps=("$@")
 ((${#steps[@]})) && [[ "${steps[0]}" != all ]] ||
-  steps=(facts empty_rows mt mt_bisect clean prof_fused packed_attn ptb no_triton prof_xl ceilings
-    prof_xla remat translate)
+  steps=(facts empty_rows mt mt_bisect clean prof_fused packed_attn packed ptb no_triton prof_xl
+    ceilings prof_xla remat translate)
 for name in "${steps[@]}"; do
   if ! declare -F "step_$name" >/dev/null; then
     echo "unknown step '$name'; steps: facts empty_rows mt mt_bisect clean prof_fused packed_attn"\
-    "ptb no_triton prof_xl ceilings prof_xla remat translate mt_ptb" >&2
+    "packed ptb no_triton prof_xl ceilings prof_xla remat translate mt_ptb" >&2
     exit 2
   fi
 done

@@ -150,7 +150,7 @@ TINY = {  # --quick: name -> (config overrides, vocabulary size)
 }
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="  # --profile: one op per kernel
 DTYPES = ("bfloat16", "float32")
-IMPLS = ("fused", "xla")
+IMPLS = ("fused", "xla", "fused_packed")
 
 # Synthetic data ----------------------------------------------------------------------------
 
@@ -182,7 +182,15 @@ def translation_batches(config, vocab: int, num_batches: int, seed: int = 0) -> 
 
     rows, length = config.train.batch_size, config.data.max_train_length
     pairs = wmt_like_pairs(4 * rows * length // 50, vocab, length, np.random.default_rng(seed))
-    dataset = iter(packed_train_dataset(pairs, batch_size=rows, max_length=length, seed=seed))
+    dataset = iter(
+        packed_train_dataset(
+            pairs,
+            batch_size=rows,
+            max_length=length,
+            seed=seed,
+            max_pairs_per_row=config.data.max_pairs_per_row,
+        )
+    )
     return [next(dataset) for _ in range(num_batches)]
 
 
@@ -260,14 +268,12 @@ def make_task(config, vocab: int, workdir: str):
 
     if config.model.family == "encoder_decoder":
         from xformer.models import EncoderDecoder
-        from xformer.tasks.translation import TranslationTask
+        from xformer.tasks.translation import TranslationTask, model_cfg_for
 
         class SyntheticTranslation(TranslationTask):
             def __init__(self):
                 self.config = config
-                cfg = model_config.from_config(
-                    config.model, src_vocab_size=vocab, tgt_vocab_size=vocab
-                )
+                cfg = model_cfg_for(config, vocab, vocab)
                 self.exp = experiment_lib.setup(config, workdir, EncoderDecoder, cfg)
 
         return SyntheticTranslation()
