@@ -16,7 +16,10 @@ for the encoder (segments), the decoder (segments, causal) and cross attention (
 segments over source segments), and checks both against a float32 XLA reference: outputs at
 real (non-padding) query positions and the gradients of a loss over them. `unmasked` is the
 same call without the mask (a wrong result, timed only): if it costs what `bias` does, the
-bias is free and a packed mode can gain only by skipping tiles across segments.
+bias is free and a packed mode can gain only by skipping tiles across segments. `xformer` is
+xformer's own packed path (`attention_impl="fused_packed"`, xformer/cudnn_packed.py: its
+segment conversion and selects around the same call, M = 16 slots a row), checked the same
+way: the first run of it on real cuDNN.
 """
 
 import argparse
@@ -34,6 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_attention import flat_leaves, packed_segments, relative_error  # noqa: E402
 
 from xformer import masks  # noqa: E402
+from xformer.attention import dot_product_attention  # noqa: E402
+
+LABELS = ("bias", "packed", "packed_all", "xformer")
+XFORMER_SLOTS = 16  # data.max_pairs_per_row of the `packed` step of bench/gpu_session.sh
 
 
 def lengths_and_offsets(
@@ -133,6 +140,19 @@ def run_case(rng, shape, q_segments, k_segments, causal: bool, repeats: int) -> 
         ),
         "packed": packed(None),
         "packed_all": packed(q_segments.shape[1]),  # M = L: a bound that holds for any batch
+        "xformer": lambda q, k, v: dot_product_attention(
+            q,
+            k,
+            v,
+            masks.StructuredMask(
+                mask,
+                jnp.asarray(q_segments),
+                jnp.asarray(k_segments),
+                causal=causal,
+                max_segments=XFORMER_SLOTS,
+            ),
+            implementation="fused_packed",
+        ),
         "unmasked": lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=scale, implementation="cudnn"
         ),
@@ -144,7 +164,7 @@ def run_case(rng, shape, q_segments, k_segments, causal: bool, repeats: int) -> 
         except Exception as error:  # the private call's API or cuDNN's support may differ
             print(f"  {label}: {type(error).__name__}: {str(error)[:300]}", flush=True)
     row = {"unmasked_ms": results["unmasked"][1] if "unmasked" in results else None}
-    for label in ("bias", "packed", "packed_all"):
+    for label in LABELS:
         ok = label in results and "ref" in results
         row[f"{label}_err"] = (
             relative_error(flat_leaves(results[label][0][1]), flat_leaves(results["ref"][0][1]))
@@ -187,12 +207,15 @@ def main() -> None:
         return "n/a" if x is None else format(x, spec)
 
     print(f"\ncommand: {command}\n[B, L, heads, head size] {list(shape)}, {args.pairs} a row\n")
-    labels = ("bias", "packed", "packed_all")
-    print("packed: M = the batch's most segments in a row; packed_all: M = L\n")
+    labels = LABELS
+    print(
+        "packed: M = the batch's most segments in a row; packed_all: M = L; "
+        f"xformer: attention_impl=fused_packed with M = {XFORMER_SLOTS}\n"
+    )
     print("unmasked: the bias call without its mask (wrong results; its time only)\n")
     print(
-        "| call | grad err bias / packed / packed_all "
-        "| fwd+bwd ms bias / packed / packed_all / unmasked |"
+        "| call | grad err bias / packed / packed_all / xformer "
+        "| fwd+bwd ms bias / packed / packed_all / xformer / unmasked |"
     )
     print("|---|---|---|")
     for name, r in rows:

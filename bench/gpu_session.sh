@@ -22,7 +22,8 @@
 #               time and MFU of the 45% goal (21.4% on 2026-11-27)
 #   prof_fused  the clean setting again, traced: where the step's time goes
 #   packed_attn bench/gpu_packed_attention.py: wmt14's attention calls with the segment mask as
-#               a bias (today) against cuDNN's packed-sequence mode and unmasked
+#               a bias (fused) against cuDNN's packed-sequence mode, xformer's own path to it
+#               (fused_packed) and unmasked
 #   packed      the clean setting with attention_impl=fused_packed (cuDNN's packed mode in the
 #               model, 16 segment slots a row: data.max_pairs_per_row=16), to set beside clean
 #   ptb         train.py + eval.py, PTB Transformer-XL, bf16 fused (passed on 2026-11-27)
