@@ -10,6 +10,11 @@
 # estimates are guesses until one GPU run times them), runs under `timeout` of what is left,
 # and a failing step does not stop the next:
 #   facts       nvidia-smi, jax and its devices
+#   clean       gpu_throughput.py, wmt14 (Transformer base) bf16 fused, no tracing: the step
+#               time and MFU of the 45% goal (21.4% on 2026-11-27)
+#   packed      the clean setting with attention_impl=fused_packed (cuDNN's packed mode in the
+#               model, 16 segment slots a row: data.max_pairs_per_row=16), right after clean
+#               on the same warm card
 #   empty_rows  bench/gpu_empty_rows.py: jax's cuDNN call and xformer's fused path when some
 #               query rows see no key, at row lengths 64-256 (the suspected cause of the next)
 #   mt          train.py + eval.py, Multi30k, model.dtype=bfloat16, attention_impl=fused (Done
@@ -18,14 +23,10 @@
 #   mt_bisect   only after a failed mt: 2 steps under JAX_DEBUG_NANS (jax names the first
 #               primitive whose output is NaN), 20 steps with XLA's attention, and
 #               bench/gpu_attention.py (cuDNN against XLA) at Multi30k's shapes
-#   clean       gpu_throughput.py, wmt14 (Transformer base) bf16 fused, no tracing: the step
-#               time and MFU of the 45% goal (21.4% on 2026-11-27)
 #   prof_fused  the clean setting again, traced: where the step's time goes
 #   packed_attn bench/gpu_packed_attention.py: wmt14's attention calls with the segment mask as
 #               a bias (fused) against cuDNN's packed-sequence mode, xformer's own path to it
 #               (fused_packed) and unmasked
-#   packed      the clean setting with attention_impl=fused_packed (cuDNN's packed mode in the
-#               model, 16 segment slots a row: data.max_pairs_per_row=16), to set beside clean
 #   ptb         train.py + eval.py, PTB Transformer-XL, bf16 fused (passed on 2026-11-27)
 #   no_triton   the clean setting with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   prof_xl     wt103_xl bf16 fused, traced
@@ -200,12 +201,12 @@ step_remat() {
 
 steps=("$@")
 ((${#steps[@]})) && [[ "${steps[0]}" != all ]] ||
-  steps=(facts empty_rows mt mt_bisect clean prof_fused packed_attn packed ptb no_triton prof_xl
+  steps=(facts clean packed empty_rows mt mt_bisect prof_fused packed_attn ptb no_triton prof_xl
     ceilings prof_xla remat translate)
 for name in "${steps[@]}"; do
   if ! declare -F "step_$name" >/dev/null; then
-    echo "unknown step '$name'; steps: facts empty_rows mt mt_bisect clean prof_fused packed_attn"\
-    "packed ptb no_triton prof_xl ceilings prof_xla remat translate mt_ptb" >&2
+    echo "unknown step '$name'; steps: facts clean packed empty_rows mt mt_bisect prof_fused"\
+    "packed_attn ptb no_triton prof_xl ceilings prof_xla remat translate mt_ptb" >&2
     exit 2
   fi
 done
