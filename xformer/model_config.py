@@ -16,7 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from xformer import masks
+from xformer import attention, masks
 from xformer.positional import SCHEMES
 
 
@@ -67,7 +67,7 @@ class StackConfig:
         "elsewhere; fused_packed: fused, and on GPU packed rows reach cuDNN as segment "
         "lengths and offsets instead of a mask (segment ids must be ascending contiguous runs, "
         "as xformer's batches are)",
-        ("xla", "fused", "fused_packed"),
+        attention.IMPLEMENTATIONS,
     )
     remat: str = option(
         "none",
