@@ -17,10 +17,11 @@ machine's as target_config.txtpb). JAX makes compile-only devices of it
 (`jax.experimental.topologies.get_topology_desc`), and the step of bench/gpu_throughput.py
 (real configs, synthetic batches, state donated) is lowered onto them and compiled. The
 attention module picks cuDNN by `jax.default_backend()`, which is "cpu" here, so it is told
-"gpu" while the step is traced. XLA cannot autotune without a device, so GEMMs go to cuBLAS
-(CUBLAS below; set XLA_FLAGS=--xla_gpu_enable_triton_gemm=true to see Triton's untuned ones):
-on the GPU the autotuner may pick Triton for some, fusing other neighbours into them. The rest,
-the kernels around the GEMMs, the copies, the cuDNN calls and the buffers, are what the GPU
+"gpu" while the step is traced. It compiles as train.py's does (`train_lib.compile_step`: no
+Triton GEMM fusions on a GPU), so every GEMM goes to cuBLAS with the epilogues XLA fuses into
+it; XLA_FLAGS=--xla_gpu_enable_triton_gemm=true shows XLA's own default instead, with Triton
+tilings that are untuned without a device (ptb_xl's then fails to compile). The rest, the
+kernels around the GEMMs, the copies, the cuDNN calls and the buffers, are what the GPU
 compiler makes of the program.
 
 Reported per setting (of each conditional, the costliest branch counts; `--cheapest-branch`
@@ -51,11 +52,6 @@ from unittest import mock
 import gpu_throughput as gt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Without a device XLA cannot autotune its Triton GEMM tilings: its untuned pick (16 x 8 tiles)
-# is nothing a GPU would run, and for some shapes (ptb_xl's [2240, 256] x [256, 256]) it finds
-# none and the compile fails. cuBLAS GEMMs, with the bias and activation epilogues XLA fuses
-# into them, are one of the autotuner's candidates, and every shape compiles.
-CUBLAS = "--xla_gpu_enable_triton_gemm=false"
 # The results of cuDNN's attention backward calls: (dq, dk, dv, [dbias,] workspace).
 CUDNN_BACKWARD = re.compile(r"= \(([^)]*)\) custom-call\([^\n]*__cudnn\$fmha\w*Backward")
 
@@ -106,7 +102,7 @@ def compile_step(
         start = time.perf_counter()
         with mock.patch.object(jax, "default_backend", lambda: backend), _target_capability(mesh):
             lowered = step.lower(state, rng_state, batch)
-        compiled = lowered.compile()
+        compiled = train_lib.compile_step(lowered, mesh.devices.flat[0].platform)
     return compiled, config, vocab, time.perf_counter() - start
 
 
@@ -166,8 +162,6 @@ def main() -> None:
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " " + CUBLAS
     import jax
 
     from xformer import op_profile

@@ -28,7 +28,8 @@
 #               a bias (fused) against cuDNN's packed-sequence mode, xformer's own path to it
 #               (fused_packed) and unmasked
 #   ptb         train.py + eval.py, PTB Transformer-XL, bf16 fused (passed on 2026-11-27)
-#   no_triton   the clean setting with XLA's Triton GEMMs off (cuBLAS for every matmul)
+#   triton      the clean setting with XLA's Triton GEMM fusions on (XLA's default; train.py
+#               and gpu_throughput.py compile without them: train_lib.compile_step)
 #   prof_xl     wt103_xl bf16 fused, traced
 #   ceilings    bf16 8192^3 matmul and device copy (bench/matmul_ceiling.py)
 #   prof_xla    wmt14 bf16 with XLA's attention, traced
@@ -168,9 +169,9 @@ step_packed_attn() {  # cuDNN on packed rows: the mask as a bias against per-seg
 step_packed() {
   throughput packed --configs wmt14 --impls fused_packed --set data.max_pairs_per_row=16
 }
-step_no_triton() {  # the clean setting with every GEMM on cuBLAS (XLA may tile some in Triton)
-  (export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=false"
-    throughput no_triton --configs wmt14 --impls fused)
+step_triton() {  # the clean setting as XLA compiles it by default: Triton GEMM fusions too
+  (export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=true"
+    throughput triton --configs wmt14 --impls fused)
 }
 
 step_prof_fused() { throughput prof_fused --configs wmt14 --impls fused --profile 3; }
@@ -201,12 +202,12 @@ step_remat() {
 
 steps=("$@")
 ((${#steps[@]})) && [[ "${steps[0]}" != all ]] ||
-  steps=(facts clean packed empty_rows mt mt_bisect prof_fused packed_attn ptb no_triton prof_xl
+  steps=(facts clean packed empty_rows mt mt_bisect prof_fused packed_attn ptb triton prof_xl
     ceilings prof_xla remat translate)
 for name in "${steps[@]}"; do
   if ! declare -F "step_$name" >/dev/null; then
     echo "unknown step '$name'; steps: facts clean packed empty_rows mt mt_bisect prof_fused"\
-    "packed_attn ptb no_triton prof_xl ceilings prof_xla remat translate mt_ptb" >&2
+    "packed_attn ptb triton prof_xl ceilings prof_xla remat translate mt_ptb" >&2
     exit 2
   fi
 done

@@ -377,7 +377,8 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
     step_fn = jax.jit(functools.partial(train_lib.train_step, task), donate_argnums=0)
     start = time.perf_counter()
     setup_s = start - began  # model graphs, synthetic batches, initial state
-    compiled = step_fn.lower(state, rng_state, batches[0]).compile()
+    platform = exp.mesh.devices.flat[0].platform
+    compiled = train_lib.compile_step(step_fn.lower(state, rng_state, batches[0]), platform)
     compile_s = time.perf_counter() - start
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
