@@ -143,6 +143,59 @@ def test_parse_hlo_kinds_shapes_and_sources():
     assert ops["while.7"].bytes == 0  # its body's ops are counted themselves
 
 
+LIBRARY_FRAMES_HLO = """HloModule jit_train_step
+
+ENTRY %main.3 (p: f32[8,8]) -> bf16[8,8] {
+  %p = f32[8,8]{1,0} parameter(0)
+  %cast = bf16[8,8]{1,0} convert(%p), metadata={op_name="jit(train_step)/convert_element_type" stack_frame_id=4}
+  %norm = f32[] reduce(%p, %p), dimensions={0,1}, to_apply=%add, metadata={op_name="jit(train_step)/reduce_sum" stack_frame_id=5}
+  %lone = f32[] reduce(%p, %p), dimensions={0,1}, to_apply=%add, metadata={op_name="jit(train_step)/reduce_sum" stack_frame_id=6}
+  ROOT %out = bf16[8,8]{1,0} copy(%cast), metadata={op_name="jit(train_step)/copy" stack_frame_id=3}
+}
+
+FileNames
+1 "/work/xformer/xformer/train_lib.py"
+2 "/work/xformer/xformer/linear.py"
+3 "/venv/lib/python3.12/site-packages/flax/nnx/nn/dtypes.py"
+4 "/venv/lib/python3.12/site-packages/flax/nnx/nn/helpers.py"
+5 "/venv/lib/python3.12/site-packages/optax/tree_utils/_tree_math.py"
+
+FunctionNames
+1 "train_step"
+2 "over_rows"
+3 "promote_dtype"
+4 "<genexpr>"
+5 "tree_sum"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=112}
+2 {file_name_id=2 function_name_id=2 line=23}
+3 {file_name_id=3 function_name_id=3 line=80}
+4 {file_name_id=4 function_name_id=4 line=82}
+5 {file_name_id=5 function_name_id=5 line=187}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+3 {file_location_id=3 parent_frame_id=3}
+4 {file_location_id=4 parent_frame_id=4}
+5 {file_location_id=5 parent_frame_id=2}
+6 {file_location_id=5 parent_frame_id=1}
+"""  # noqa: E501
+
+
+def test_library_frames_count_where_the_project_called_them():
+    """jax 0.11 keeps flax's and optax's frames in the HLO's stacks (printed parent ids are one
+    more than the parent's id): an op counts at the innermost frame of the project's own code,
+    and only a stack without one keeps its library frame."""
+    ops = op_profile.parse_hlo(LIBRARY_FRAMES_HLO)
+    # train_step -> over_rows -> promote_dtype -> <genexpr>: the cast is linear.py's
+    assert ops["cast"].source == "linear.py:over_rows:23"
+    assert ops["out"].source == "linear.py:over_rows:23"  # promote_dtype, called by over_rows
+    assert ops["norm"].source == "train_lib.py:train_step:112"  # tree_sum, called by train_step
+    assert ops["lone"].source == "_tree_math.py:tree_sum:187"  # a stack of library code alone
+
+
 def test_gpu_trace_sums_stream_kernels_per_step(tmp_path):
     """Two steps on two streams: every kernel of the program counts once per step under its HLO
     op; derived lines, other modules' kernels and the host's own events do not; unattributed

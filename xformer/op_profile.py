@@ -66,7 +66,10 @@ class Op:
 
 
 def _frames(hlo: str) -> dict[int, str]:
-    """The StackFrames table of HLO text: frame id -> "file:function:line"."""
+    """The StackFrames table of HLO text: frame id -> "file:function:line" of the innermost
+    frame of the project's own code on its stack (else the innermost frame): a cast inside
+    flax's `promote_dtype` counts where xformer's layer called it, as older flax versions,
+    whose frames jax left out, had it."""
     tables: dict[str, dict[int, str]] = {}
     section = None
     for line in hlo.splitlines():
@@ -77,7 +80,7 @@ def _frames(hlo: str) -> dict[int, str]:
             tables[section][int(key)] = value.strip('"')
         else:
             section = None
-    frames = {}
+    located, parents = {}, {}
     for fid, text in tables.get("StackFrames", {}).items():
         loc = tables["FileLocations"][int(re.search(r"file_location_id=(\d+)", text)[1])]
         file_id, func_id, lineno = (
@@ -85,8 +88,19 @@ def _frames(hlo: str) -> dict[int, str]:
             for k in ("file_name_id", "function_name_id", "line")
         )
         path = tables["FileNames"][file_id]
+        ours = "-packages/" not in (
+            path.rsplit("/xformer/", 1)[-1] if "/xformer/" in path else path
+        )
         path = path.rsplit("/xformer/", 1)[-1] if "/xformer/" in path else os.path.basename(path)
-        frames[fid] = f"{path}:{tables['FunctionNames'][func_id]}:{lineno}"
+        located[fid] = (f"{path}:{tables['FunctionNames'][func_id]}:{lineno}", ours)
+        parents[fid] = int(re.search(r"parent_frame_id=(\d+)", text)[1]) - 1  # printed + 1
+    frames = {}
+    for fid, (innermost, _) in located.items():
+        frame, seen = fid, set()
+        while frame in located and frame not in seen and not located[frame][1]:
+            seen.add(frame)
+            frame = parents[frame]
+        frames[fid] = located[frame][0] if frame in located else innermost
     return frames
 
 
