@@ -197,3 +197,25 @@ def test_log_softmax_at_of_bfloat16_logits_is_float32_with_a_bfloat16_gradient()
     assert got.dtype == jnp.float32 and d.dtype == jnp.bfloat16
     np.testing.assert_allclose(got, value, rtol=2e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(d, np.float64), grad, rtol=2e-2, atol=2e-3)
+
+
+def test_residuals_of_bfloat16_logits_keep_them_in_bfloat16(form):
+    """log_softmax_at_with_residuals on bfloat16 logits (the adaptive softmax's sparse path
+    keeps its residuals itself): value and gradient are those of the float32-upcast logits
+    against numpy, and off CPU the residuals hold the logits in bfloat16, not a float32 copy."""
+    rng = np.random.default_rng()
+    logits, index, _ = random_inputs(rng, (6,), 37)
+    x16, i = jnp.asarray(logits, jnp.bfloat16), jnp.asarray(index)
+    g = rng.standard_normal(6)
+    value, grad = log_softmax_at_reference(np.asarray(x16, np.float64), index, g)
+    got, residuals = losses.log_softmax_at_with_residuals(x16, i)
+    d = losses.log_softmax_at_gradient(residuals, jnp.asarray(g, jnp.float32))
+    assert got.dtype == jnp.float32 and d.dtype == jnp.float32
+    np.testing.assert_allclose(got, value, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(d, grad, rtol=2e-5, atol=2e-6)
+    kept = residuals[0]
+    if form == "cpu":  # exp(z), kept by the forward pass
+        assert kept.dtype == jnp.float32
+    else:
+        assert kept.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(kept, x16)

@@ -761,3 +761,19 @@ def test_bfloat16_training_tracks_float32_on_real_data(family, tmp_path, tfds_di
             losses[dtype].append(float(metrics["loss_sum"] / metrics["tokens"]))
     assert losses["float32"][-1] < losses["float32"][0] - 0.1  # real steps: the loss falls
     np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=0.02)
+
+
+def test_add_bias_sums_a_float32_bias_gradient_in_float32():
+    """bfloat16 x + float32 b is bfloat16; b's gradient is the float32 sum of the bfloat16
+    cotangent's rows (4,096 rows of ~1: a bfloat16 running sum would stall near 256)."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((4096, 8)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    g = jnp.asarray(1.0 + 0.1 * rng.standard_normal((4096, 8)), jnp.bfloat16)
+    y, vjp = jax.vjp(precision.add_bias, x, b)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(y, x + b.astype(jnp.bfloat16))
+    dx, db = vjp(g)
+    assert dx.dtype == jnp.bfloat16 and db.dtype == jnp.float32
+    np.testing.assert_array_equal(dx, g)
+    np.testing.assert_allclose(db, np.asarray(g, np.float64).sum(0), rtol=1e-6)

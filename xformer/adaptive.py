@@ -222,7 +222,8 @@ class AdaptiveLogSoftmax(nnx.Module):
         """Cluster i's log-softmax [..., m_i]: n_i entries (the head's n_tails more), then
         the padding rows', exactly -inf or 0 in probability."""
         dtype, acc = self._dtypes(hidden)
-        return jax.nn.log_softmax(_logits(hidden.astype(dtype), *self._cluster(i, dtype, acc)))
+        logits = _logits(hidden.astype(dtype), *self._cluster(i, dtype, acc))
+        return jax.nn.log_softmax(logits.astype(acc))
 
     def log_probs(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, L, d_model] -> normalised log-probabilities [B, L, V] (float32 or wider)."""
@@ -273,10 +274,13 @@ def _pad_rows(w: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _logits(h: jax.Array, w: jax.Array, b: jax.Array, proj: jax.Array | None) -> jax.Array:
-    """h [..., d_model] -> (h @ proj^T) @ w^T + b [..., n] in b's dtype (the matmuls in h's;
-    b's is at_least_float32 of h's)."""
+    """h [..., d_model] -> (h @ proj^T) @ w^T + b [..., n] in h's dtype (b's, at_least_float32
+    of h's, sums its gradient). A bfloat16 model's logits are bfloat16, as its output layer's
+    in models.py, and the log-softmax upcasts them (`losses`): on a GPU the GEMM writes and the
+    loss reads half the bytes of float32 logits, and the sparse path keeps them as its
+    residuals (WikiText-103's [1352, 160000] tail)."""
     x = h if proj is None else h @ proj.T
-    return precision.wide_einsum("...d,nd->...n", x, w) + b
+    return precision.add_bias(jnp.einsum("...d,nd->...n", x, w), b)
 
 
 def _dense_tail_logp(h, w, b, proj, local, member) -> jax.Array:
@@ -382,5 +386,5 @@ def _backprop_rows(params, rows, g_rows, scored) -> list:
     with its residuals -> [d h[rows] [R, d], d w, d b, d proj]."""
     h, *wbp = params
     d_logits = log_softmax_at_gradient(scored, g_rows)
-    _, vjp = jax.vjp(_logits, h[rows], *wbp)  # its forward value is unused: jit drops it
-    return list(vjp(d_logits))
+    logits, vjp = jax.vjp(_logits, h[rows], *wbp)  # its forward value is unused: jit drops it
+    return list(vjp(d_logits.astype(logits.dtype)))

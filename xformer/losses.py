@@ -60,16 +60,18 @@ def _online_max_and_sums(a: tuple, b: tuple) -> tuple:
     return jnp.maximum(top_a, top_b), exp_sum, sum_a + sum_b
 
 
-def _row_statistics(x: jax.Array) -> tuple:
-    """x [..., V] -> (max, sum exp(x - max), sum x) each [...], and what the backward pass
-    keeps to get exp(x - max) back (`_exp_z`): (exp(x - max), None) or (x, max)."""
+def _row_statistics(logits: jax.Array) -> tuple:
+    """logits [..., V] -> (max, sum exp(x - max), sum x) each [...] of x, the logits in
+    at_least_float32 of their dtype, and what the backward pass keeps to get exp(x - max)
+    back (`_exp_z`): (exp(x - max), None), or (the logits in their own dtype, max)."""
+    x = logits.astype(precision.at_least_float32(logits.dtype))
     if jax.default_backend() in CPU_FORM_PLATFORMS:
         top = x.max(-1)
         exp_z = jnp.exp(x - top[..., None])
         return top, exp_z.sum(-1), x.sum(-1), (exp_z, None)
     start = (jnp.array(-jnp.inf, x.dtype), jnp.array(0, x.dtype), jnp.array(0, x.dtype))
     stats = jax.lax.reduce((x, jnp.ones_like(x), x), start, _online_max_and_sums, (x.ndim - 1,))
-    return (*stats, (x, stats[0]))
+    return (*stats, (logits, stats[0]))
 
 
 def _forward(x, targets, weights, label_smoothing):
@@ -102,7 +104,9 @@ def _backward(label_smoothing, residuals, cotangents):
 
 def _exp_z(exp_z_or_x: jax.Array, top: jax.Array | None) -> jax.Array:
     """exp(x - max) [..., V]: kept by the forward pass (top None), or recomputed from x."""
-    return exp_z_or_x if top is None else jnp.exp(exp_z_or_x - top[..., None])
+    if top is None:
+        return exp_z_or_x
+    return jnp.exp(exp_z_or_x.astype(top.dtype) - top[..., None])
 
 
 def _softmax_minus_target(exp_z, total, targets, scale, on_target, uniform=None) -> jax.Array:
@@ -138,11 +142,12 @@ def _log_softmax_at(logits, index):
 
 
 def log_softmax_at_with_residuals(logits: jax.Array, index: jax.Array) -> tuple[jax.Array, tuple]:
-    """`log_softmax_at` of float32-or-wider logits, and the residuals its gradient needs: the
-    forward half of its VJP, for callers that keep the residuals themselves."""
+    """`log_softmax_at`, and the residuals its gradient needs: the forward half of its VJP, for
+    callers that keep the residuals themselves. Off CPU the residuals hold the logits in their
+    own dtype (bfloat16 logits: half a float32 copy's bytes)."""
     top, total, _, kept = _row_statistics(logits)
-    value = jnp.take_along_axis(logits, index[..., None], axis=-1)[..., 0] - top - jnp.log(total)
-    return value, (*kept, total, index)
+    at_index = jnp.take_along_axis(logits, index[..., None], axis=-1)[..., 0].astype(top.dtype)
+    return at_index - top - jnp.log(total), (*kept, total, index)
 
 
 def log_softmax_at_gradient(residuals: tuple, g: jax.Array) -> jax.Array:

@@ -52,3 +52,22 @@ def _wide_einsum_bwd(spec, operands, g):
 
 
 wide_einsum.defvjp(_wide_einsum_fwd, _wide_einsum_bwd)
+
+
+@jax.custom_vjp
+def add_bias(x: jax.Array, b: jax.Array) -> jax.Array:
+    """x [..., n] + b [n] in x's dtype, with b's gradient summed over the rows in b's dtype: a
+    float32 bias of bfloat16 logits accumulates in float32, where autodiff would sum the
+    bfloat16 cotangent in bfloat16."""
+    return x + b.astype(x.dtype)
+
+
+def _add_bias_fwd(x, b):
+    return add_bias(x, b), b
+
+
+def _add_bias_bwd(b, g):
+    return g, g.astype(b.dtype).sum(tuple(range(g.ndim - 1)))
+
+
+add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
