@@ -25,6 +25,7 @@ from xformer import masks, precision
 from xformer.attention import dot_product_attention
 from xformer.language_model import LanguageModel
 from xformer.layout import Layout
+from xformer.linear import Linear, Projections
 from xformer.losses import cross_entropy
 from xformer.model_config import LMConfig, TransformerConfig
 from xformer.models import EncoderDecoder
@@ -777,3 +778,24 @@ def test_add_bias_sums_a_float32_bias_gradient_in_float32():
     assert dx.dtype == jnp.bfloat16 and db.dtype == jnp.float32
     np.testing.assert_array_equal(dx, g)
     np.testing.assert_allclose(db, np.asarray(g, np.float64).sum(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("layer", ["linear", "projections", "projections split"])
+def test_bfloat16_layers_sum_float32_bias_gradients_in_float32(layer):
+    """A bfloat16 layer with float32 parameters (every dense layer of a bfloat16 model): its
+    bias's gradient is the float32 sum over 4,096 rows of the bfloat16 output cotangent."""
+    rngs, kw = nnx.Rngs(0), {"dtype": jnp.bfloat16, "param_dtype": jnp.float32}
+    if layer == "linear":
+        module = Linear(8, 6, rngs=rngs, **kw)
+    else:
+        module = Projections(8, 3, 2, split_heads=layer.endswith("split"), rngs=rngs, **kw)
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((4, 1024, 8)), jnp.bfloat16)
+    y = module(x)
+    assert y.dtype == jnp.bfloat16
+    g = jnp.asarray(1.0 + 0.1 * rng.standard_normal(y.shape), jnp.bfloat16)
+    grads = nnx.grad(lambda m: (m(x).astype(jnp.float32) * g.astype(jnp.float32)).sum())(module)
+    d_bias = grads["bias"][...]
+    assert d_bias.dtype == jnp.float32
+    want = np.asarray(g, np.float64).reshape(-1, *module.bias.shape).sum(0)
+    np.testing.assert_allclose(d_bias, want, rtol=1e-6)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xformer import precision
 from xformer.sharding import logical
 
 
@@ -27,7 +28,9 @@ def over_rows(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Arra
 class Linear(nnx.Linear):
     """x [..., in_features] -> [..., out_features], computed as one [N, in] x [in, out] matmul.
 
-    `axes`: the logical axis names (sharding.RULES) of the input and output features.
+    `axes`: the logical axis names (sharding.RULES) of the input and output features. The bias
+    is added in the compute dtype and its gradient summed in its own (`precision.add_bias`: a
+    bfloat16 model's float32 biases sum their gradients over the rows in float32).
     """
 
     def __init__(
@@ -49,7 +52,16 @@ class Linear(nnx.Linear):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return over_rows(super().__call__, x)
+        return over_rows(self._rows, x)
+
+    def _rows(self, x: jax.Array) -> jax.Array:
+        """x [N, in] -> [N, out]: nnx.Linear's product, then the bias."""
+        x, kernel = nnx.nn.dtypes.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
+        extra = {}
+        if self.preferred_element_type is not None:
+            extra["preferred_element_type"] = self.preferred_element_type
+        y = self.dot_general(x, kernel, (((1,), (0,)), ((), ())), precision=self.precision, **extra)
+        return y if self.bias is None else precision.add_bias(y, self.bias[...])
 
 
 class Projections(nnx.Module):
@@ -96,14 +108,13 @@ class Projections(nnx.Module):
         self.split_heads, self.dtype = split_heads, dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.kernel[...]
         bias = None if self.bias is None else self.bias[...]
-        x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        x, kernel = nnx.nn.dtypes.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
         rows = x.reshape(-1, x.shape[-1])
         if self.split_heads:
             y = jax.lax.dot_general(rows, kernel, (((1,), (0,)), ((), ())))
         else:
             y = rows @ kernel.reshape(kernel.shape[0], -1)
             bias = None if bias is None else bias.reshape(-1)
-        y = y if bias is None else y + bias
+        y = y if bias is None else precision.add_bias(y, bias)  # the bias's gradient: Linear's
         return y.reshape(*x.shape[:-1], *kernel.shape[1:])

@@ -317,7 +317,12 @@ CATEGORIES: tuple[Category, ...] = (  # first match wins
     ("collectives", lambda op: op.kind == "collective"),
     ("layout transposes / copies", lambda op: op.kind == "transpose"),
     ("embeddings", lambda op: any(s in op.source for s in ("_embed", "embedding", ":Embed."))),
-    ("dense layers: bias, activation", _from_package("linear.py", "blocks.py:FeedForward")),
+    (  # precision.add_bias: the biases' casts and gradients (layers and the adaptive softmax)
+        "dense layers: bias, activation",
+        _from_package(
+            "linear.py", "blocks.py:FeedForward", "precision.py:_add_bias", "precision.py:add_bias"
+        ),
+    ),
     ("loss", _from_package("losses.py", "adaptive.py")),
     ("dropout", _from_package("dropout.py")),
     ("attention softmax, masks, positions", _from_package("attention", "masks", "positional")),
