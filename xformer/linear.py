@@ -116,5 +116,5 @@ class Projections(nnx.Module):
         else:
             y = rows @ kernel.reshape(kernel.shape[0], -1)
             bias = None if bias is None else bias.reshape(-1)
-        y = y if bias is None else precision.add_bias(y, bias)  # the bias's gradient: Linear's
+        y = y if bias is None else precision.add_bias(y, bias)  # as Linear's
         return y.reshape(*x.shape[:-1], *kernel.shape[1:])

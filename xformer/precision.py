@@ -57,9 +57,9 @@ wide_einsum.defvjp(_wide_einsum_fwd, _wide_einsum_bwd)
 @jax.custom_vjp
 def add_bias(x: jax.Array, b: jax.Array) -> jax.Array:
     """x [..., *b.shape] + b in x's dtype, with b's gradient summed over x's leading axes in
-    b's dtype: a float32 bias of a bfloat16 layer accumulates in float32, where autodiff would
-    sum the bfloat16 cotangent in bfloat16 (on XLA:CPU a running sum that stalls near 256 x a
-    typical row's value)."""
+    b's dtype: a float32 bias of a bfloat16 layer accumulates in float32, where autodiff sums
+    the bfloat16 cotangent into a bfloat16 result (4,096 rows of ~1: 4,096 on XLA:CPU, for a
+    float32 sum of 4,090-4,104), and XLA:GPU's split reductions round partial sums too."""
     return x + b.astype(x.dtype)
 
 
