@@ -73,6 +73,9 @@ adds each setting's op profile (xformer/op_profile.py) to the JSON and the print
 XLA_FLAGS=--xla_gpu_enable_command_buffer= for the run (kernels inside a CUDA graph would all be
 charged to the graph's op), so its throughput figures are not those of a default run.
 
+The step compiles as train.py's (`train_lib.compile_step`: on a GPU without XLA's Triton GEMM
+fusions, unless XLA_FLAGS sets `--xla_gpu_enable_triton_gemm`).
+
 `--quick` (`--tiny`) shrinks every model, batch and vocabulary (d_model 64, one layer (1+1),
 8 rows of 64 or 4 rows of 32 tokens, 1,000-3,000 types; 1 warm-up step, 3 windows of 2, all
 settings in one process): a check that the benchmark works end to end, not a measurement. It
