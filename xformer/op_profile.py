@@ -88,10 +88,9 @@ def _frames(hlo: str) -> dict[int, str]:
             for k in ("file_name_id", "function_name_id", "line")
         )
         path = tables["FileNames"][file_id]
-        ours = "-packages/" not in (
-            path.rsplit("/xformer/", 1)[-1] if "/xformer/" in path else path
-        )
-        path = path.rsplit("/xformer/", 1)[-1] if "/xformer/" in path else os.path.basename(path)
+        in_package = path.rsplit("/xformer/", 1)[-1] if "/xformer/" in path else None
+        ours = "-packages/" not in (in_package or path)  # not an installed library's
+        path = in_package or os.path.basename(path)
         located[fid] = (f"{path}:{tables['FunctionNames'][func_id]}:{lineno}", ours)
         parents[fid] = int(re.search(r"parent_frame_id=(\d+)", text)[1]) - 1  # printed + 1
     frames = {}
