@@ -85,6 +85,7 @@ faster (and runs slower) where that matters.
 """
 
 import argparse
+import ast
 import contextlib
 import functools
 import importlib.util
@@ -527,8 +528,9 @@ def table(results: list[dict]) -> str:
 
 def parse_overrides(items: list[str]) -> dict[str, dict]:
     """["wt103_xl:model.adaptive_capacity=0.25", "train.batch_size=48"] -> per model
-    {key: value}; a value is read as JSON where it parses (lists become tuples), else a string;
-    without a "model:" prefix it applies to every model."""
+    {key: value}; a value is read as JSON or else as a Python literal where either parses
+    (`false` and `False` alike; lists become tuples), else a string; without a "model:" prefix
+    it applies to every model."""
     out: dict[str, dict] = {name: {} for name in MODELS}
     for item in items:
         target, _, value = item.partition("=")
@@ -538,7 +540,10 @@ def parse_overrides(items: list[str]) -> dict[str, dict]:
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
-            parsed = value
+            try:
+                parsed = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                parsed = value
         parsed = tuple(parsed) if isinstance(parsed, list) else parsed
         for model in [name] if name else MODELS:
             out[model][key] = parsed
