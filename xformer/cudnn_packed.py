@@ -140,7 +140,7 @@ def _gradient_inside_forward(x, inside):
 
 
 def _gradient_inside_backward(inside, g):
-    return jnp.where(inside[:, :, None, None], g, 0), None
+    return _select_inside(g, inside), None
 
 
 _gradient_inside.defvjp(_gradient_inside_forward, _gradient_inside_backward)
@@ -150,11 +150,11 @@ _gradient_inside.defvjp(_gradient_inside_forward, _gradient_inside_backward)
 def _zero_outside(x: jax.Array, inside: jax.Array) -> jax.Array:
     """x [B, L, H, D], zero at positions not `inside` [B, L]; the gradient passes unchanged
     (cuDNN's backward pass reads dO only inside the segments)."""
-    return jnp.where(inside[:, :, None, None], x, 0)
+    return _select_inside(x, inside)
 
 
 def _zero_outside_forward(x, inside):
-    return jnp.where(inside[:, :, None, None], x, 0), None
+    return _select_inside(x, inside), None
 
 
 def _zero_outside_backward(_, g):
@@ -162,3 +162,8 @@ def _zero_outside_backward(_, g):
 
 
 _zero_outside.defvjp(_zero_outside_forward, _zero_outside_backward)
+
+
+def _select_inside(x: jax.Array, inside: jax.Array) -> jax.Array:
+    """x [B, L, H, D] where `inside` [B, L], else 0 (a select: no NaN crosses it)."""
+    return jnp.where(inside[:, :, None, None], x, 0)
