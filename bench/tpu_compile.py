@@ -26,6 +26,7 @@ as on a TPU.
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 
@@ -59,6 +60,19 @@ def compile_only_mesh(topology_name: str, mesh_sizes: tuple[int, ...]):
     if -1 not in mesh_sizes:  # the first chips of the slice
         devices = devices[: int(np.prod(mesh_sizes))]
     return sharding.make_mesh(dict(zip(sharding.MESH_AXES, mesh_sizes, strict=True)), devices)
+
+
+def layout_copies(hlo: str) -> dict:
+    """The HBM-to-HBM `copy` ops of optimized TPU HLO: XLA:TPU's layout changes (a transpose
+    into another tiling, say), each reading and writing its array. Copies into another memory
+    space (a layout with S(n): prefetches into on-chip memory) are left out."""
+    from xformer import op_profile
+
+    count, moved = 0, 0
+    for shape, layout in re.findall(r"= (\w+\[[\d,]*\])\{([^}]*)\} copy\(", hlo):
+        if "S(" not in layout:
+            count, moved = count + 1, moved + 2 * op_profile._bytes(shape)
+    return {"count": count, "gb": moved / 1e9}
 
 
 def main() -> None:
@@ -126,6 +140,7 @@ def main() -> None:
             "flop_floor_ms": flops / (peak * 1e12) * 1e3 if peak else None,
             "collectives": op_profile.collectives(hlo),
             "pallas_calls": hlo.count('custom_call_target="tpu_custom_call"'),
+            "layout_copies": layout_copies(hlo),
         }
         results.append(result)
         fits = "" if hbm is None else f" of {hbm} GiB ({step_gib / hbm:.0%})"
@@ -138,7 +153,8 @@ def main() -> None:
             f"{step_gib:.2f} GiB per chip{fits}; XLA {flops / 1e12:.2f} TFLOP per chip "
             f"(analytic {analytic / 1e12:.2f} in all), "
             f"{result['flop_floor_ms'] or float('nan'):.1f} ms at peak; "
-            f"{result['pallas_calls']} Pallas calls; collectives: {comms or 'none'}",
+            f"{result['pallas_calls']} Pallas calls; {result['layout_copies']['count']} layout "
+            f"copies ({result['layout_copies']['gb']:.2f} GB); collectives: {comms or 'none'}",
             flush=True,
         )
         if args.out:

@@ -1,4 +1,5 @@
-"""linear.Projections (attention's q/k/v and k/v): both matmul forms against a numpy reference,
+"""linear.Projections (attention's q/k/v and k/v): both matmul forms (and the one a TPU gets)
+against a numpy reference,
 its draws against nnx.Linear's, and on a tensor-split mesh of 4 simulated CPU devices an
 attention layer whose heads are split computes the same values and gradients as on one device
 with no collective but the output projection's all-reduce (the side-by-side kernel made GSPMD
@@ -7,6 +8,7 @@ gather and permute activations)."""
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +20,30 @@ from simulated_devices import run_script
 from xformer.linear import Linear, Projections
 
 
-@pytest.mark.parametrize("split_heads", [False, True])
+def _backend(name: str):
+    """jax.default_backend() answering `name` (a TPU's form, traced and run on this CPU)."""
+    return mock.patch.object(jax, "default_backend", lambda: name)
+
+
+def _kernel_ranks(fn, *args) -> list[int]:
+    """The rank of the right operand of every dot_general fn traces to."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [e.invars[1].aval.ndim for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize(
+    "form, backend, split_heads, rank",
+    [("side by side", "cpu", False, 2), ("split heads", "cpu", True, 3), ("TPU", "tpu", False, 3)],
+)
 @pytest.mark.parametrize("use_bias", [False, True])
-def test_projections_match_numpy_with_gradients(split_heads, use_bias):
+def test_projections_match_numpy_with_gradients(form, backend, split_heads, rank, use_bias):
     rng = np.random.default_rng()
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), _backend(backend):
         proj = Projections(
             6, 3, 8, split_heads=split_heads, use_bias=use_bias, param_dtype=jnp.float64,
             rngs=nnx.Rngs(int(rng.integers(1 << 30))),
         )  # fmt: skip
+        assert _kernel_ranks(proj, jax.ShapeDtypeStruct((2, 5, 6), jnp.float64)) == [rank], form
         kernel = rng.standard_normal((6, 3, 8))
         bias = rng.standard_normal((3, 8))
         proj.kernel[...] = jnp.asarray(kernel)
