@@ -219,3 +219,25 @@ def test_residuals_of_bfloat16_logits_keep_them_in_bfloat16(form):
     else:
         assert kept.dtype == jnp.bfloat16
         np.testing.assert_array_equal(kept, x16)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "log_softmax_at"])
+def test_bfloat16_logits_reach_the_custom_vjp_unconverted(loss):
+    """Both losses upcast inside their custom VJP, and the residual they keep off CPU is the
+    bfloat16 logits: on XLA:TPU an upcast before the custom VJP was fused into the output
+    layer's matmul, which then wrote float32 logits for every pass to read."""
+    rng = np.random.default_rng()
+    logits, index, weights = random_inputs(rng, (3, 4), 17)
+    x16, i = jnp.asarray(logits, jnp.bfloat16), jnp.asarray(index)
+    if loss == "cross_entropy":
+        fn = lambda x: cross_entropy(x, i, jnp.asarray(weights), 0.1)[0]  # noqa: E731
+    else:
+        fn = lambda x: log_softmax_at(x, i).sum()  # noqa: E731
+    eqns = jax.make_jaxpr(fn)(x16).jaxpr.eqns
+    calls = [e for e in eqns if "custom_vjp" in e.primitive.name]
+    assert len(calls) == 1 and calls[0].invars[0].aval.dtype == jnp.bfloat16
+    upcasts = [e for e in eqns if e.primitive.name == "convert_element_type"]
+    assert all(e.invars[0].aval.shape != x16.shape for e in upcasts)
+    value, d = jax.value_and_grad(fn)(x16)
+    assert value.dtype == jnp.float32 and d.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(d, np.float32))) and np.any(np.asarray(d) != 0)

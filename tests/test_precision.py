@@ -179,7 +179,10 @@ def test_bfloat16_computes_in_bfloat16_and_scores_in_float32(param_dtype):
     positions = masks.positions_from_segments(segments)
     shape = jax.eval_shape  # dtypes from tracing alone
     assert shape(lambda: model.encode(src, segments, positions)).dtype == jnp.bfloat16
-    assert shape(lambda: model(src, tgt)).dtype == jnp.float32  # upcast before the softmax
+    # the logits stay bfloat16 up to the loss, which upcasts them inside its custom VJP
+    assert shape(lambda: model(src, tgt)).dtype == jnp.bfloat16
+    loss = shape(lambda: cross_entropy(model(src, tgt), tgt, jnp.ones(tgt.shape), 0.1))
+    assert loss[0].dtype == jnp.float32
     log_probs, cache = shape(
         lambda: model.decode_step(tgt[:, 0], model.init_decode_cache(src, 4), jnp.asarray(0))
     )

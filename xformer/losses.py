@@ -25,6 +25,9 @@ def cross_entropy(
 
     logits [..., V], targets [...] int, weights [...] (0 on padding) -> (loss_sum, nll_sum), in
     the logits' dtype promoted to at least float32 (bfloat16 logits are upcast; float64 stays).
+    The upcast happens inside the loss's custom VJP, so bfloat16 logits reach it as the output
+    layer wrote them (XLA:TPU fused an upcast made before it into the output layer's matmul,
+    which then wrote float32 logits that every pass over them read).
     The smoothed target puts 1 - label_smoothing on the target and label_smoothing / (V - 1) on
     every other token; the loss subtracts that target's entropy, so its minimum is 0.
 
@@ -32,9 +35,8 @@ def cross_entropy(
     loss = lse - (conf - low) z_t - low sum(z) - entropy. The custom VJP writes the gradient
     (softmax - smoothed target) * weight in one elementwise pass over the vocabulary.
     """
-    dtype = precision.at_least_float32(logits.dtype)
-    weights = jnp.asarray(weights).astype(dtype)
-    return _cross_entropy(logits.astype(dtype), targets, weights, float(label_smoothing))
+    weights = jnp.asarray(weights).astype(precision.at_least_float32(logits.dtype))
+    return _cross_entropy(logits, targets, weights, float(label_smoothing), logits.dtype)
 
 
 def _smoothing(vocab: int, label_smoothing: float) -> tuple[float, float, float]:
@@ -45,9 +47,10 @@ def _smoothing(vocab: int, label_smoothing: float) -> tuple[float, float, float]
     return conf, low, float(-(conf * np.log(conf) + (vocab - 1) * low * np.log(low)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _cross_entropy(logits, targets, weights, label_smoothing):
-    return _forward(logits, targets, weights, label_smoothing)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _cross_entropy(logits, targets, weights, label_smoothing, dtype):
+    """dtype: the logits' (their gradient's)."""
+    return _forward(logits, targets, weights, label_smoothing, dtype)[0]
 
 
 def _online_max_and_sums(a: tuple, b: tuple) -> tuple:
@@ -74,14 +77,14 @@ def _row_statistics(logits: jax.Array) -> tuple:
     return (*stats, (logits, stats[0]))
 
 
-def _forward(x, targets, weights, label_smoothing):
-    conf, low, entropy = _smoothing(x.shape[-1], label_smoothing)
-    top, total, x_sum, kept = _row_statistics(x)
+def _forward(logits, targets, weights, label_smoothing, dtype):
+    conf, low, entropy = _smoothing(logits.shape[-1], label_smoothing)
+    top, total, x_sum, kept = _row_statistics(logits)
     lse = jnp.log(total)
-    z_target = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - top
+    z_target = _at(logits, targets).astype(top.dtype) - top
     nll = lse - z_target
     if low:
-        z_sum = x_sum - x.shape[-1] * top
+        z_sum = x_sum - logits.shape[-1] * top
         loss = lse - (conf - low) * z_target - low * z_sum - entropy
     else:
         loss = nll
@@ -89,7 +92,12 @@ def _forward(x, targets, weights, label_smoothing):
     return sums, (*kept, total, targets, weights, loss, nll)
 
 
-def _backward(label_smoothing, residuals, cotangents):
+def _at(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[..., index]: x [..., V], index [...] int -> [...]."""
+    return jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0]
+
+
+def _backward(label_smoothing, dtype, residuals, cotangents):
     *kept, total, targets, weights, loss, nll = residuals
     exp_z = _exp_z(*kept)
     d_loss, d_nll = cotangents
@@ -99,7 +107,7 @@ def _backward(label_smoothing, residuals, cotangents):
     d_logits = _softmax_minus_target(
         exp_z, total, targets, g_loss + g_nll, g_loss * (conf - low) + g_nll, g_loss * low
     )
-    return d_logits, None, d_loss * loss + d_nll * nll
+    return d_logits.astype(dtype), None, d_loss * loss + d_nll * nll
 
 
 def _exp_z(exp_z_or_x: jax.Array, top: jax.Array | None) -> jax.Array:
@@ -133,11 +141,12 @@ def log_softmax_at(logits: jax.Array, index: jax.Array) -> jax.Array:
     g * (onehot(index) - softmax) in one elementwise pass, where autodiff would scatter g
     into a zero [..., V] array and then run the log-softmax's own backward pass over it.
     """
-    return _log_softmax_at(logits.astype(precision.at_least_float32(logits.dtype)), index)
+    return _log_softmax_at(logits, index, logits.dtype)
 
 
-@jax.custom_vjp
-def _log_softmax_at(logits, index):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _log_softmax_at(logits, index, dtype):
+    """dtype: the logits' (their gradient's); they are upcast inside, as in `cross_entropy`."""
     return log_softmax_at_with_residuals(logits, index)[0]
 
 
@@ -146,8 +155,7 @@ def log_softmax_at_with_residuals(logits: jax.Array, index: jax.Array) -> tuple[
     callers that keep the residuals themselves. Off CPU the residuals hold the logits in their
     own dtype (bfloat16 logits: half a float32 copy's bytes)."""
     top, total, _, kept = _row_statistics(logits)
-    at_index = jnp.take_along_axis(logits, index[..., None], axis=-1)[..., 0].astype(top.dtype)
-    return at_index - top - jnp.log(total), (*kept, total, index)
+    return _at(logits, index).astype(top.dtype) - top - jnp.log(total), (*kept, total, index)
 
 
 def log_softmax_at_gradient(residuals: tuple, g: jax.Array) -> jax.Array:
@@ -157,8 +165,12 @@ def log_softmax_at_gradient(residuals: tuple, g: jax.Array) -> jax.Array:
     return _softmax_minus_target(_exp_z(*kept), total, index, -g, -g)
 
 
-def _log_softmax_at_backward(residuals, g):
-    return log_softmax_at_gradient(residuals, g), None
+def _log_softmax_at_forward(logits, index, dtype):
+    return log_softmax_at_with_residuals(logits, index)
 
 
-_log_softmax_at.defvjp(log_softmax_at_with_residuals, _log_softmax_at_backward)
+def _log_softmax_at_backward(dtype, residuals, g):
+    return log_softmax_at_gradient(residuals, g).astype(dtype), None
+
+
+_log_softmax_at.defvjp(_log_softmax_at_forward, _log_softmax_at_backward)

@@ -81,11 +81,11 @@ class EncoderDecoder(nnx.Module):
         )
 
     def _logits(self, x: jax.Array) -> jax.Array:
-        """Final states [B, L, d] -> logits [B, L, V] in at least float32 (for the softmax)."""
+        """Final states [B, L, d] -> logits [B, L, V] in the model's dtype: the loss and the
+        decoding's log-softmax upcast them to at least float32 themselves."""
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        logits = self.output(x) if self.output is not None else over_rows(self.tgt_embed.attend, x)
-        return logits.astype(precision.at_least_float32(logits.dtype))
+        return self.output(x) if self.output is not None else over_rows(self.tgt_embed.attend, x)
 
     def encode(
         self, src: jax.Array, src_segments: jax.Array, src_positions: jax.Array
@@ -108,7 +108,8 @@ class EncoderDecoder(nnx.Module):
         src_positions: jax.Array | None = None,
         tgt_positions: jax.Array | None = None,
     ) -> jax.Array:
-        """Teacher-forced logits [B, Lt, V] for src [B, Ls] and shifted targets tgt_in [B, Lt].
+        """Teacher-forced logits [B, Lt, V] (model.dtype; `losses.cross_entropy` upcasts them)
+        for src [B, Ls] and shifted targets tgt_in [B, Lt].
 
         Segment ids (0 = padding) and positions describe packed rows; they default to one
         example per row with padding id 0.
@@ -185,4 +186,6 @@ class EncoderDecoder(nnx.Module):
                 x, kv, index, self_mask, cross_mask, cache["cross"][i], positional, i
             )
             new_self.append(kv)
-        return jax.nn.log_softmax(self._logits(x)[:, 0]), {**cache, "self": new_self}
+        logits = self._logits(x)[:, 0]
+        log_probs = jax.nn.log_softmax(logits.astype(precision.at_least_float32(logits.dtype)))
+        return log_probs, {**cache, "self": new_self}
