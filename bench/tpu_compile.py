@@ -16,7 +16,9 @@ compiler. No TPU runs anything, so no time is measured. Reported per setting: co
 each chip's step memory (XLA's memory analysis: arguments + outputs - donated + temporaries)
 against the chip's HBM, XLA's FLOP count per chip and the time it would take at the chip's
 dense bfloat16 peak (a floor that leaves out memory traffic), the Pallas kernel calls (splash
-attention) and the collectives the SPMD partitioner inserted (count and bytes of each kind).
+attention), the layout copies one step runs (`op_profile.layout_copies`: HBM passes that only
+change an array's tiling or dimension order) and the collectives the SPMD partitioner inserted
+(count and bytes of each kind).
 The attention module picks its backend by `jax.default_backend()`, "cpu" here, so it is told
 "tpu" while the step is traced: fused attention takes the splash kernel where it serves
 (xformer/splash_attention.py) and jax.nn.dot_product_attention's XLA implementation elsewhere,
@@ -26,7 +28,6 @@ as on a TPU.
 import argparse
 import json
 import os
-import re
 import shlex
 import sys
 
@@ -60,19 +61,6 @@ def compile_only_mesh(topology_name: str, mesh_sizes: tuple[int, ...]):
     if -1 not in mesh_sizes:  # the first chips of the slice
         devices = devices[: int(np.prod(mesh_sizes))]
     return sharding.make_mesh(dict(zip(sharding.MESH_AXES, mesh_sizes, strict=True)), devices)
-
-
-def layout_copies(hlo: str) -> dict:
-    """The HBM-to-HBM `copy` ops of optimized TPU HLO: XLA:TPU's layout changes (a transpose
-    into another tiling, say), each reading and writing its array. Copies into another memory
-    space (a layout with S(n): prefetches into on-chip memory) are left out."""
-    from xformer import op_profile
-
-    count, moved = 0, 0
-    for shape, layout in re.findall(r"= (\w+\[[\d,]*\])\{([^}]*)\} copy\(", hlo):
-        if "S(" not in layout:
-            count, moved = count + 1, moved + 2 * op_profile._bytes(shape)
-    return {"count": count, "gb": moved / 1e9}
 
 
 def main() -> None:
@@ -140,7 +128,7 @@ def main() -> None:
             "flop_floor_ms": flops / (peak * 1e12) * 1e3 if peak else None,
             "collectives": op_profile.collectives(hlo),
             "pallas_calls": hlo.count('custom_call_target="tpu_custom_call"'),
-            "layout_copies": layout_copies(hlo),
+            "layout_copies": op_profile.layout_copies(hlo),
         }
         results.append(result)
         fits = "" if hbm is None else f" of {hbm} GiB ({step_gib / hbm:.0%})"
@@ -153,7 +141,7 @@ def main() -> None:
             f"{step_gib:.2f} GiB per chip{fits}; XLA {flops / 1e12:.2f} TFLOP per chip "
             f"(analytic {analytic / 1e12:.2f} in all), "
             f"{result['flop_floor_ms'] or float('nan'):.1f} ms at peak; "
-            f"{result['pallas_calls']} Pallas calls; {result['layout_copies']['count']} layout "
+            f"{result['pallas_calls']} Pallas calls; {result['layout_copies']['count']:.0f} layout "
             f"copies ({result['layout_copies']['gb']:.2f} GB); collectives: {comms or 'none'}",
             flush=True,
         )

@@ -565,3 +565,44 @@ def test_self_times_nest_only_whole_enclosures():
     assert own == pytest.approx(
         {"gemm": 1000.0, "reduce": 500.0, "while": 30.0, "body": 30.0, "body.1": 40.0}
     )
+
+
+TPU_COPIES = """HloModule jit_train_step
+
+%branch_dense (p.1: bf16[64,128]) -> bf16[64,128] {
+  %p.1 = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %copy.9 = bf16[64,128]{0,1:T(8,128)(2,1)} copy(%p.1)
+}
+
+%branch_sparse (p.2: bf16[64,128]) -> bf16[64,128] {
+  ROOT %p.2 = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0)
+}
+
+%fused_transposed (param_0: f32[8,256,128]) -> f32[8,256,128] {
+  %param_0 = f32[8,256,128]{2,1,0:T(8,128)} parameter(0)
+  ROOT %copy.3 = f32[8,256,128]{1,2,0:T(8,128)} copy(%param_0)
+}
+
+ENTRY %main (a: f32[8,256,128], b: bf16[96,256,3,8,64], i: s32[]) -> f32[8,256,128] {
+  %a = f32[8,256,128]{2,1,0:T(8,128)} parameter(0)
+  %b = bf16[96,256,3,8,64]{4,3,2,1,0:T(8,128)(2,1)} parameter(1)
+  %i = s32[] parameter(2)
+  %copy.1 = bf16[96,256,3,8,64]{4,1,3,0,2:T(8,128)(2,1)} copy(%b)
+  %copy.2 = f32[8,256,128]{2,1,0:T(8,128)S(1)} copy(%a)
+  %copy-start = (f32[8,256,128]{2,1,0:T(8,128)S(1)}, f32[8,256,128]{2,1,0:T(8,128)}, u32[]) copy-start(%a)
+  %fusion = f32[8,256,128]{1,2,0:T(8,128)} fusion(%a), kind=kLoop, calls=%fused_transposed
+  %slice = bf16[64,128]{1,0:T(8,128)(2,1)} slice(%b), slice={[0:1], [0:1], [0:1], [0:8], [0:64]}
+  %conditional = bf16[64,128]{1,0:T(8,128)(2,1)} conditional(%i, %slice, %slice), branch_computations={%branch_dense, %branch_sparse}
+  ROOT %copy.4 = f32[8,256,128]{1,2,0:T(8,128)} copy(%a)
+}
+"""  # noqa: E501 (HLO lines as XLA writes them)
+
+
+def test_layout_copies_count_the_hbm_copies_one_step_runs():
+    """Two HBM layout copies of the entry computation count, each read and written; a copy
+    into on-chip memory (S(1)), an async prefetch, a copy inside a fusion and one in the
+    costlier branch of a conditional (the dense fallback) do not."""
+    found = op_profile.layout_copies(TPU_COPIES)
+    bf16, f32 = 2, 4
+    moved = 2 * (96 * 256 * 3 * 8 * 64 * bf16 + 8 * 256 * 128 * f32)
+    assert found == {"count": 2, "gb": pytest.approx(moved / 1e9)}

@@ -239,6 +239,19 @@ def collectives(hlo: str) -> dict[str, dict]:
     return found
 
 
+def layout_copies(hlo: str) -> dict:
+    """{"count", "gb"} of the HBM-to-HBM `copy` ops one run of an optimized XLA:TPU program
+    executes (`kernels`, a conditional's cheapest branch): layout changes (another tiling or
+    dimension order), each reading and writing its array. Copies into another memory space (a
+    layout with S(n): prefetches into on-chip memory) are left out."""
+    layouts = dict(re.findall(r"%([\w.\-]+) = \w+\[[\d,]*\]\{([^}]*)\} copy\(", hlo))
+    count, moved = 0.0, 0.0
+    for op, times in kernels(hlo, costliest=False):
+        if op.opcode == "copy" and "S(" not in layouts.get(op.name, "S("):
+            count, moved = count + times, moved + times * 2 * _bytes(op.shape)
+    return {"count": count, "gb": moved / 1e9}
+
+
 SLICES = ("slice", "dynamic-slice", "gather")
 VIEWS = ("bitcast", "reshape", "convert")  # element for element: slicing one reads as little
 
