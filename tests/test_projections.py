@@ -8,7 +8,6 @@ gather and permute activations)."""
 import json
 import sys
 from pathlib import Path
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +17,6 @@ from flax import nnx
 from simulated_devices import run_script
 
 from xformer.linear import Linear, Projections
-
-
-def _backend(name: str):
-    """jax.default_backend() answering `name` (a TPU's form, traced and run on this CPU)."""
-    return mock.patch.object(jax, "default_backend", lambda: name)
 
 
 def _kernel_ranks(fn, *args) -> list[int]:
@@ -36,9 +30,12 @@ def _kernel_ranks(fn, *args) -> list[int]:
     [("side by side", "cpu", False, 2), ("split heads", "cpu", True, 3), ("TPU", "tpu", False, 3)],
 )
 @pytest.mark.parametrize("use_bias", [False, True])
-def test_projections_match_numpy_with_gradients(form, backend, split_heads, rank, use_bias):
+def test_projections_match_numpy_with_gradients(
+    form, backend, split_heads, rank, use_bias, monkeypatch
+):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)  # a TPU's form, run on CPU
     rng = np.random.default_rng()
-    with jax.enable_x64(True), _backend(backend):
+    with jax.enable_x64(True):
         proj = Projections(
             6, 3, 8, split_heads=split_heads, use_bias=use_bias, param_dtype=jnp.float64,
             rngs=nnx.Rngs(int(rng.integers(1 << 30))),
