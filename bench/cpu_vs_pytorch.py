@@ -51,7 +51,6 @@ roughly right (ops sum to about the wall time), single matmul ops are not. `--ro
 """
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -215,8 +214,8 @@ class XformerStep:
         self.state = exp.init_state(task.init_carry())
         self.rng_state = jax.device_put(exp.rng_state, exp.replicated)
         self.batch = jax.device_put(make_batch(), exp.batch_sharding)
-        jit_step = jax.jit(functools.partial(train_lib.train_step, task), donate_argnums=0)
-        self.compiled = jit_step.lower(self.state, self.rng_state, self.batch).compile()
+        lowered = train_lib.lower_train_step(task, self.state, self.rng_state, self.batch, "cpu")
+        self.compiled = lowered.compile()
         self.flops = float((self.compiled.cost_analysis() or {}).get("flops", 0.0))
         self.metrics = None
 

@@ -37,7 +37,6 @@ the target's. The floor bounds MFU from above: analytic FLOPs / floor / peak.
 import argparse
 import collections
 import contextlib
-import functools
 import itertools
 import json
 import os
@@ -98,11 +97,11 @@ def compile_step(
         state = {**exp.abstract_state(), "carry": jax.tree.map(on(exp.batch_sharding), carry)}
         rng_state = jax.tree.map(on(exp.replicated), exp.rng_state)
         batch = jax.tree.map(on(exp.batch_sharding), host_batch)
-        step = jax.jit(functools.partial(train_lib.train_step, task), donate_argnums=0)
+        platform = mesh.devices.flat[0].platform
         start = time.perf_counter()
         with mock.patch.object(jax, "default_backend", lambda: backend), _target_capability(mesh):
-            lowered = step.lower(state, rng_state, batch)
-        compiled = train_lib.compile_step(lowered, mesh.devices.flat[0].platform)
+            lowered = train_lib.lower_train_step(task, state, rng_state, batch, platform)
+        compiled = train_lib.compile_step(lowered, platform)
     return compiled, config, vocab, time.perf_counter() - start
 
 

@@ -87,7 +87,6 @@ faster (and runs slower) where that matters.
 import argparse
 import ast
 import contextlib
-import functools
 import importlib.util
 import json
 import logging
@@ -378,11 +377,12 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
     rng_state = jax.device_put(exp.rng_state, exp.replicated)
     params = train_lib.count_params(state["params"])
 
-    step_fn = jax.jit(functools.partial(train_lib.train_step, task), donate_argnums=0)
     start = time.perf_counter()
     setup_s = start - began  # model graphs, synthetic batches, initial state
     platform = exp.mesh.devices.flat[0].platform
-    compiled = train_lib.compile_step(step_fn.lower(state, rng_state, batches[0]), platform)
+    lowered = train_lib.lower_train_step(task, state, rng_state, batches[0], platform)
+    compiled = train_lib.compile_step(lowered, platform)
+    state = train_lib.in_step_layouts(state, compiled)
     compile_s = time.perf_counter() - start
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
