@@ -141,7 +141,7 @@ def test_the_compiler_lays_out_the_state_on_auto_layout_platforms(monkeypatch, t
 
     results = {}
     for name, (compiled, start) in steps.items():
-        state_now = train_lib.in_step_layouts(start, compiled) if name == "default" else placed
+        state_now = placed if name == "auto" else start
         for batch in batches:
             state_now, metrics = compiled(state_now, exp.rng_state, batch)
         results[name] = jax.device_get((state_now, metrics))
