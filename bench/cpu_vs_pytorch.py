@@ -23,9 +23,17 @@ target tokens (no padding; the decoder is causal).
   against 4.3 s per PyTorch step at load average 3.7 on 2 cores). It is set before anything
   imports torch (tensorboardX, imported by xformer, does).
 
-After one warm-up (compilation) and `--warmup` steps of each, every round times `--steps` steps
-of xformer, then `--steps` of PyTorch, each after one untimed step (the first step after the other
-side's, whose memory use differs, was up to 2x slower: training runs steps back to back);
+After one warm-up (compilation) and `--warmup` steps of each, the heap is grown by
+`--heap_reserve_gib` GiB of touched memory, freed again, and `--warmup_rounds` untimed rounds
+run. Then every round times `--steps` steps of xformer, then `--steps` of PyTorch, each after
+one untimed step (the first step after the other side's, whose memory use differs, was up to 2x
+slower: training runs steps back to back). The reserve is there because the three programs
+share one heap: XLA:CPU mallocs the xformer step's 410 MB of temporaries as one block, which
+after the other programs' allocations sometimes fits no free hole, so the heap grows and the
+new pages fault in during a timed step (on huge pages, with the kernel compacting memory for
+them: 190-280 faults took 0.6-0.9 s of system time, a 580 ms step 1.0-1.2 s; in two 9-round
+runs without the reserve, 2 timed rounds of each had 34-271 faults). A training run pays that
+a few times near its start. The minor page faults taken during each timed run are in the JSON;
 tokens/s counts source + target tokens (4,096 a step), the median over rounds is reported with
 the ratio of the medians and the median of per-round ratios.
 GFLOP/s uses two FLOP counts: XLA's cost analysis of the compiled xformer step, and one analytic
@@ -56,6 +64,7 @@ import math
 import os
 import platform
 import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -338,6 +347,28 @@ def profile_step(step: XformerStep, steps: int, top: int) -> dict:
     return {"logdir": logdir, "wall_ms_per_step": 1e3 * wall, **summary}
 
 
+def reserve_heap(gib: float) -> None:
+    """Grow the heap by `gib` GiB of touched memory and free it. With the malloc settings of
+    xformer/malloc_tuning.py freed memory stays mapped, so later blocks that fit no free hole
+    take these pages instead of growing the heap and faulting new ones in mid-round."""
+    if gib > 0:
+        block = np.ones(int(gib * 2**30), np.uint8)  # np.ones touches every page
+        del block
+
+
+def interleaved_round(sides: dict, steps: int) -> dict[str, tuple[float, int]]:
+    """Each side's seconds for `steps` steps, one side after the other, with the minor page
+    faults the process took during them. An untimed step first: the first step after another
+    program's is slower (its memory use differs; training runs steps back to back)."""
+    result = {}
+    for name, side in sides.items():
+        side.run(1)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        seconds = side.run(steps)
+        result[name] = (seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return result
+
+
 def print_profile(profile: dict) -> None:
     print(f"\nxformer profile: {profile['wall_ms_per_step']:.0f} ms/step wall")
     print(op_profile.format_summary(profile))
@@ -348,6 +379,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps of each per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each")
+    parser.add_argument(
+        "--warmup_rounds", type=int, default=2, help="untimed interleaved rounds first"
+    )
+    parser.add_argument(
+        "--heap_reserve_gib", type=float, default=2.0, help="heap grown before timing; 0: none"
+    )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--no_torch", action="store_true", help="xformer only")
     parser.add_argument("--profile", action="store_true", help="rank xformer's XLA ops by time")
@@ -363,18 +400,29 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         xf, mm = XformerStep(workdir), MatmulsOnly()
         tf = None if args.no_torch else TorchStep(args.threads)
-        for side in (xf, tf, mm):
-            if side is not None:
-                side.run(args.warmup)
-        times = {"xformer": [], "pytorch": [], "matmuls only": []}
+        sides = {"xformer": xf, "pytorch": tf, "matmuls only": mm}
+        sides = {name: side for name, side in sides.items() if side is not None}
+        for side in sides.values():
+            side.run(args.warmup)
+        reserve_heap(args.heap_reserve_gib)
+        for r in range(args.warmup_rounds):
+            faults = {k: f for k, (_, f) in interleaved_round(sides, args.steps).items() if f}
+            matmul_gflops(repeats=1)
+            print(f"untimed round {r + 1}: page faults {faults or 'none'}", flush=True)
+        times = {name: [] for name in sides}
+        faults = {name: [] for name in sides}
         for r in range(args.rounds):
-            for name, side in (("xformer", xf), ("pytorch", tf), ("matmuls only", mm)):
-                if side is not None:
-                    side.run(1)  # untimed: the first step after another program's is slower
-                    times[name].append(side.run(args.steps) / args.steps)
+            for name, (seconds, minor_faults) in interleaved_round(sides, args.steps).items():
+                times[name].append(seconds / args.steps)
+                faults[name].append(minor_faults)
             ceilings.append(matmul_gflops(repeats=3))
-            line = " | ".join(f"{k} {tokens / v[-1]:,.0f} tok/s" for k, v in times.items() if v)
-            print(f"round {r + 1}/{args.rounds}: {line} | ceiling {ceilings[-1]:.1f}", flush=True)
+            line = " | ".join(f"{k} {tokens / v[-1]:,.0f} tok/s" for k, v in times.items())
+            grown = ", ".join(f"{k} {v[-1]}" for k, v in faults.items() if v[-1])
+            print(
+                f"round {r + 1}/{args.rounds}: {line} | ceiling {ceilings[-1]:.1f}"
+                + (f" | page faults: {grown}" if grown else ""),
+                flush=True,
+            )
         profile = profile_step(xf, args.profile_steps, args.profile_top) if args.profile else {}
 
     ceiling = statistics.median(ceilings or [matmul_gflops()])
@@ -393,7 +441,10 @@ def main():
         "matmul_ceiling_gflops": ceilings,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
+        "warmup_rounds": args.warmup_rounds,
+        "heap_reserve_gib": args.heap_reserve_gib,
         "step_seconds": times,
+        "minor_page_faults": faults,  # during each timed run: the heap still growing
         "sides": {},
     }
     for name, ts in times.items():
@@ -407,7 +458,7 @@ def main():
             "xla_gflops": xf.flops / t / 1e9 if name == "xformer" else None,
             "ceiling_fraction": analytic / t / 1e9 / ceiling,
         }
-    if times["pytorch"]:
+    if times.get("pytorch"):
         result["ratio_of_medians"] = statistics.median(times["pytorch"]) / statistics.median(
             times["xformer"]
         )
@@ -439,7 +490,7 @@ def main():
             f"| {name} | {s['tokens_per_s']:,.0f} | {s['step_ms']:.0f} | "
             f"{s['analytic_gflops']:.1f} | {xla} | {s['ceiling_fraction']:.2f} |"
         )
-    if times["pytorch"]:
+    if times.get("pytorch"):
         print(
             f"\nxformer / PyTorch tokens/s: {result['ratio_of_medians']:.2f}x (medians), "
             f"{result['median_round_ratio']:.2f}x (median of per-round ratios)"
