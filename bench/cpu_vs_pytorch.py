@@ -406,9 +406,9 @@ def main():
             side.run(args.warmup)
         reserve_heap(args.heap_reserve_gib)
         for r in range(args.warmup_rounds):
-            faults = {k: f for k, (_, f) in interleaved_round(sides, args.steps).items() if f}
+            grown = {k: f for k, (_, f) in interleaved_round(sides, args.steps).items() if f}
             matmul_gflops(repeats=1)
-            print(f"untimed round {r + 1}: page faults {faults or 'none'}", flush=True)
+            print(f"untimed round {r + 1}: page faults {grown or 'none'}", flush=True)
         times = {name: [] for name in sides}
         faults = {name: [] for name in sides}
         for r in range(args.rounds):
