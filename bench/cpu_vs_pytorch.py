@@ -30,10 +30,11 @@ one untimed step (the first step after the other side's, whose memory use differ
 slower: training runs steps back to back). The reserve is there because the three programs
 share one heap: XLA:CPU mallocs the xformer step's 410 MB of temporaries as one block, which
 after the other programs' allocations sometimes fits no free hole, so the heap grows and the
-new pages fault in during a timed step (on huge pages, with the kernel compacting memory for
-them: 190-280 faults took 0.6-0.9 s of system time, a 580 ms step 1.0-1.2 s; in two 9-round
-runs without the reserve, 2 timed rounds of each had 34-271 faults). A training run pays that
-a few times near its start. The minor page faults taken during each timed run are in the JSON;
+new pages fault in during a timed step (huge pages: 190-280 faults took 0.6-0.9 s of system
+time, a 580 ms step 1.0-1.2 s, likely the kernel compacting memory for them; in two 9-round
+runs without the reserve, 2 timed rounds of each had 34-271 faults). A training run likely
+meets this a few times near its start (not measured apart). The minor page faults taken during
+each timed run are in the JSON;
 tokens/s counts source + target tokens (4,096 a step), the median over rounds is reported with
 the ratio of the medians and the median of per-round ratios.
 GFLOP/s uses two FLOP counts: XLA's cost analysis of the compiled xformer step, and one analytic
