@@ -67,7 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_accum_steps = 1
     c.train.num_steps = 100_000
     # Stop (and checkpoint) once the run has spent this much wall time in its training loop,
-    # evaluation included, summed over every start of a resumed run (0 = off)
+    # validation passes excluded, summed over every start of a resumed run (0 = off)
     c.train.max_train_seconds = 0.0
     c.train.learning_rate = 7e-4  # peak rate; the paper's d_model**-0.5 * warmup**-0.5
     c.train.schedule = "rsqrt"  # rsqrt: linear warm-up then 1/sqrt(step), as in the paper
