@@ -7,7 +7,7 @@ fit in each chip's memory, and what does the sharded program communicate.
     JAX_PLATFORMS=cpu /tmp/tpu_compile/bin/python bench/tpu_compile.py \\
         --mesh 1,4,1 --configs wmt14,ptb_xl,wt103_xl
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python bench/tpu_compile.py \\
-        --topology cpu --mesh 1,1,4 --dtype float32 --impl xla       # the same, on CPU devices
+        --topology cpu --mesh 1,1,4 --dtype float32 --impl xla       # tensor=4, on CPU devices
 
 libtpu describes any TPU slice by name (`jax.experimental.topologies.get_topology_desc`); the
 step of bench/gpu_throughput.py (real configs, synthetic batches, state donated) is lowered onto
