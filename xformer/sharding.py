@@ -170,20 +170,30 @@ def mesh_spec(logical_spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     """Logical axis names -> mesh axes by RULES, each mesh axis used at most once; a dimension
     that does not divide over its axis (or an axis of size 1) is replicated. FSDP shards every
     parameter it can: when the rules gave no dimension "fsdp" (the width does not divide, or
-    there is none), the largest free dimension that divides takes it."""
+    there is none), the largest free dimension that divides takes it, or failing one, in a
+    matrix or table, the largest dimension another axis splits that divides over both (e.g.
+    WikiText-103's [267736, 410] table at fsdp=4, tensor=2: its rows over ("tensor", "fsdp");
+    vectors are left as they are: little memory, and a gather more in every step)."""
     names = tuple(logical_spec) + (None,) * (len(shape) - len(logical_spec))
-    out: list[str | None] = []
+    out: list[str | tuple[str, str] | None] = []
     for name, size in zip(names, shape, strict=True):
         axis = RULES.get(name) if isinstance(name, str) else None
         if axis is None or axis in out or mesh.shape[axis] == 1 or size % mesh.shape[axis]:
             axis = None
         out.append(axis)
-    if "fsdp" not in out and mesh.shape["fsdp"] > 1:
-        free = [
-            i for i, size in enumerate(shape) if out[i] is None and size % mesh.shape["fsdp"] == 0
+    fsdp = mesh.shape["fsdp"]
+    if "fsdp" not in out and fsdp > 1:
+        free = [i for i, size in enumerate(shape) if out[i] is None and size % fsdp == 0]
+        shared = [
+            i
+            for i, size in enumerate(shape)
+            if len(shape) > 1 and out[i] is not None and size % (mesh.shape[out[i]] * fsdp) == 0
         ]
         if free:
             out[max(free, key=lambda i: shape[i])] = "fsdp"
+        elif shared:
+            i = max(shared, key=lambda i: shape[i])
+            out[i] = (out[i], "fsdp")
     return P(*out)
 
 
