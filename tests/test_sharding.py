@@ -266,12 +266,18 @@ def _assert_placed_like(abstract: dict, state: dict) -> None:
         assert a.sharding.is_equivalent_to(x.sharding, x.ndim), (where, a.sharding, x.sharding)
 
 
+def _save_steps(path: Path, steps: list) -> None:
+    """The states and metrics of `steps` as one .npz: "<step>/<leaf path>" -> value."""
+    np.savez(
+        path, **{f"{i}/{k}": v for i, step in enumerate(steps) for k, v in _leaves(step).items()}
+    )
+
+
 def _one_mesh(family: str, name: str, workdir: Path, seed: int, report: dict):
     """Train 3 steps on mesh `name`, write <family>_<name>.npz, add to the report; the task."""
     task = _task(family, str(workdir / name / family), MESHES[name])
     steps = run_steps(task, seed)
-    flat = {f"{i}/{k}": v for i, step in enumerate(steps) for k, v in _leaves(step).items()}
-    np.savez(workdir / f"{family}_{name}.npz", **flat)
+    _save_steps(workdir / f"{family}_{name}.npz", steps)
     state = task.exp.init_state()
     _assert_placed_like(task.exp.abstract_state(), state)
     held = {k: state[k] for k in ("params", "opt_state")}
@@ -307,14 +313,13 @@ def _worker(workdir: Path, seed: int) -> None:
                 task = tiny_task(
                     family, str(workdir / f"odd_{name}" / family), vocab=VOCAB, **overrides
                 )
-                steps = run_steps(task, seed)
-                flat = {f"{i}/{k}": v for i, s in enumerate(steps) for k, v in _leaves(s).items()}
-                np.savez(workdir / f"{family}_odd_{name}.npz", **flat)
-            report["shared"][family] = [
-                str(s.spec)
-                for s in jax.tree.leaves(task.exp.state_shardings()["params"])
-                if any(isinstance(axes, tuple) for axes in s.spec)
-            ]
+                _save_steps(workdir / f"{family}_odd_{name}.npz", run_steps(task, seed))
+                if name == "fsdp4_tensor2":  # the specs that name two axes for one dimension
+                    report["shared"][family] = [
+                        str(s.spec)
+                        for s in jax.tree.leaves(task.exp.state_shardings()["params"])
+                        if any(isinstance(axes, tuple) for axes in s.spec)
+                    ]
     (workdir / "report.json").write_text(json.dumps(report))
 
 

@@ -184,15 +184,13 @@ def mesh_spec(logical_spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     fsdp = mesh.shape["fsdp"]
     if "fsdp" not in out and fsdp > 1:
         free = [i for i, size in enumerate(shape) if out[i] is None and size % fsdp == 0]
-        shared = [
-            i
-            for i, size in enumerate(shape)
-            if len(shape) > 1 and out[i] is not None and size % (mesh.shape[out[i]] * fsdp) == 0
+        split = [
+            i for i, size in enumerate(shape) if out[i] and size % (mesh.shape[out[i]] * fsdp) == 0
         ]
         if free:
             out[max(free, key=lambda i: shape[i])] = "fsdp"
-        elif shared:
-            i = max(shared, key=lambda i: shape[i])
+        elif split and len(shape) > 1:
+            i = max(split, key=lambda i: shape[i])
             out[i] = (out[i], "fsdp")
     return P(*out)
 
