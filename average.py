@@ -10,10 +10,12 @@ training in the source workdir). `eval.py --workdir=<source> --average_last=5` e
 same parameters without writing them.
 """
 
+import copy
 import os
 import shutil
 import sys
 
+import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
@@ -27,6 +29,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir with checkpo
 _LAST = flags.DEFINE_integer("last", None, "Average the last N checkpoints kept.")
 _STEP = flags.DEFINE_integer("step", None, "The newest checkpoint to average (default: latest).")
 _OUTPUT = flags.DEFINE_string("output", None, "The new workdir (must not exist or be empty).")
+_MESH = flags.DEFINE_string("mesh", None, experiment_lib.MESH_FLAG_HELP)
 flags.mark_flags_as_required(["workdir", "last", "output"])
 
 
@@ -37,9 +40,11 @@ def main(argv):
     source, output = _WORKDIR.value, _OUTPUT.value
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         sys.exit(f"average.py: --output={output} exists and is not an empty directory")
-    config = experiment_lib.load_config(source)
-    task = make_task(config, source, train_if_missing=False)
+    config = experiment_lib.load_config(source)  # written to the output as it is
+    run_config = copy.deepcopy(config)
     try:
+        experiment_lib.set_evaluation_mesh(run_config, _MESH.value, jax.device_count())
+        task = make_task(run_config, source, train_if_missing=False, training=False)
         steps = steps_to_average(task.exp, _LAST.value, _STEP.value)
     except ValueError as e:
         sys.exit(f"average.py: {e}")

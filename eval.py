@@ -27,8 +27,10 @@ or --output that cannot be used (missing, invalid UTF-8, different line counts, 
 character model has no <unk> for) is reported in one line on stderr, naming the file, line and
 column, with exit status 2, before any model is restored.
 
-With --distributed (and the multi-process flags of train.py) every process of a jax.distributed
-job evaluates its share of each batch; process 0 alone prints and writes the files.
+The devices need not be the training run's: its mesh is kept where it fits them, else every
+device goes on the data axis; --mesh=data,fsdp,tensor sets another. With --distributed (and the
+multi-process flags of train.py) every process of a jax.distributed job evaluates its share of
+each batch; process 0 alone prints and writes the files.
 
 Comparing runs (e.g. the points of a sweep): one table row per workdir with the config values
 that differ, parameters, steps, training time, tokens/s, best validation and test metric, plus
@@ -82,6 +84,7 @@ _AVERAGE_LAST = flags.DEFINE_integer(
     "Evaluate the mean of the parameters of the last N checkpoints kept (ending at --step).",
 )
 _BATCH = flags.DEFINE_integer("batch_size", None, "Override config.eval.batch_size.")
+_MESH = flags.DEFINE_string("mesh", None, experiment_lib.MESH_FLAG_HELP)
 _INPUT = flags.DEFINE_string(
     "input", None, "Translate (language models: score) this text file instead of a split."
 )
@@ -135,6 +138,10 @@ def main(argv):
     distributed_flags.initialize_if_requested()
     workdir = _WORKDIR.value
     config = experiment_lib.load_config(workdir)
+    try:
+        experiment_lib.set_evaluation_mesh(config, _MESH.value, jax.device_count())
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     family = config.model.family
     for other, flag_map in OVERRIDES.items():
         for key, flag in flag_map.items():
@@ -198,7 +205,7 @@ def evaluate_language_model(config, workdir: str) -> dict:
     split = _SPLIT.value or config.data.test_split
     if _INPUT.value and _SPLIT.value:
         raise app.UsageError("give --split or --input, not both")
-    task = make_task(config, workdir, train_if_missing=False)
+    task = make_task(config, workdir, train_if_missing=False, training=False)
     # Read and encode before restoring, so bad data fails fast.
     oov = None
     if _INPUT.value:
@@ -280,7 +287,7 @@ def evaluate_translation(config, workdir: str) -> dict:
         name = _SPLIT.value or config.data.test_split
         sources, references = split_text(config, name)
 
-    task = make_task(config, workdir, train_if_missing=False)
+    task = make_task(config, workdir, train_if_missing=False, training=False)
     params, rng_state, step, averaged = _restore(task)
     start = time.time()
     translations = task.translator().translate(params, rng_state, sources, LOG_EVERY_S)

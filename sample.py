@@ -56,6 +56,7 @@ _SEGMENT = flags.DEFINE_integer(
     "segment_length", None, "Tokens per segment with a memory (default: eval's)."
 )
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the samples here (JSON).")
+_MESH = flags.DEFINE_string("mesh", None, experiment_lib.MESH_FLAG_HELP)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -75,6 +76,7 @@ def load_config(workdir: str):
             f"{workdir} holds a translation model (model.family={config.model.family!r}); "
             "sample.py generates from language models (decoder_only): translate with eval.py"
         )
+    experiment_lib.set_evaluation_mesh(config, _MESH.value, jax.device_count())
     with config.unlocked():
         for key, flag in (("mem_len", _MEM_LEN), ("segment_length", _SEGMENT)):
             if flag.value is not None:
@@ -93,7 +95,7 @@ def main(argv):
             raise ValueError(f"num_samples must be >= 1, got {_NUM_SAMPLES.value}")
         prompt = read_prompt()
         config = load_config(workdir)
-        task = make_task(config, workdir, train_if_missing=False)
+        task = make_task(config, workdir, train_if_missing=False, training=False)
         settings = EvalSettings.from_config(config)
         context, unknown = encode_prompt(task.vocab, prompt, task.boundary_id)
         model_cfg = dataclasses.replace(

@@ -90,6 +90,44 @@ def test_invalid_values_and_combinations(key, value, message):
         config_lib.validate(config)
 
 
+def test_evaluation_mesh_fits_the_devices_it_runs_on():
+    """eval.py, sample.py and average.py run a trained config on the devices they are given:
+    its mesh where it fits them, else every device on data, or --mesh; the training batches are
+    not checked there, the evaluation batch is."""
+    from xformer.experiment import set_evaluation_mesh
+
+    def trained(data, fsdp, tensor):
+        config = config_lib.base_config()
+        config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
+        config.train.batch_size, config.eval.batch_size = 64, 12
+        return config
+
+    def sizes(config):
+        return config.mesh.data, config.mesh.fsdp, config.mesh.tensor
+
+    kept = trained(2, 2, 2)
+    set_evaluation_mesh(kept, None, 8)
+    assert sizes(kept) == (2, 2, 2)
+    moved = trained(2, 4, 1)
+    set_evaluation_mesh(moved, None, 3)
+    assert sizes(moved) == (-1, 1, 1)
+    config_lib.check_devices(moved, 3, training=False)  # 12 evaluation rows over 3 devices
+    with pytest.raises(ValueError, match="train.batch_size=64 must be divisible by the 3 row"):
+        config_lib.check_devices(moved, 3)
+    chosen = trained(2, 4, 1)
+    set_evaluation_mesh(chosen, "1,-1,2", 6)
+    assert sizes(chosen) == (1, -1, 2)
+    with pytest.raises(ValueError, match="eval.batch_size=12 must be divisible by the 8 row"):
+        config_lib.check_devices(trained(2, 4, 1), 8, training=False)
+    for flag, message in (
+        ("2,2", "give three integer sizes"),
+        ("a,1,1", "give three integer sizes"),
+        ("2,2,1", "the mesh has 4 devices, but there are 2"),
+    ):
+        with pytest.raises(ValueError, match=f"--mesh={flag}: .*{message}"):
+            set_evaluation_mesh(trained(1, 1, 1), flag, 2)
+
+
 def test_micro_batch_not_dividing_over_the_devices(tmp_path):
     """8 rows in 4 micro-batches of 2 cannot split over 4 devices: train.py says so, naming the
     keys, before it prepares data or builds a vocabulary."""
@@ -113,7 +151,10 @@ def test_micro_batch_not_dividing_over_the_devices(tmp_path):
         env_extra={"XLA_FLAGS": flags},
     )
     assert result.returncode != 0
-    assert "train.batch_size / train.grad_accum_steps = 8 / 4 = 2 rows" in result.stderr
+    assert "train.py: a micro-batch of train.batch_size / train.grad_accum_steps = 8 / 4" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr  # one line, not a stack
     assert not (tmp_path / "vocab").exists() and not (tmp_path / "config.json").exists()
 
 

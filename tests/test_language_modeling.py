@@ -250,8 +250,10 @@ def test_four_simulated_devices_match_one_with_memory(tmp_path, tfds_dir, ptb):
     ]
     one = run(train_cmd(tmp_path / "one", tfds_dir, *args))
     assert one.returncode == 0, one.stderr[-3000:]
+    # Four devices as data 2 x fsdp 2: the batch rows over all four, parameters split in two.
+    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=2"]
     four = run(
-        train_cmd(tmp_path / "four", tfds_dir, *args),
+        train_cmd(tmp_path / "four", tfds_dir, *args, *mesh),
         env_extra=FOUR_DEVICES,
     )
     assert four.returncode == 0, four.stderr[-3000:]
@@ -275,6 +277,21 @@ def test_four_simulated_devices_match_one_with_memory(tmp_path, tfds_dir, ptb):
         assert xla_one < xla_four < 1.2 * xla_one
         assert model_four == pytest.approx(model_one, rel=1e-9)
         assert 0.5 * xla_one * 1e9 < model_one < xla_one * 1e9
+
+    # eval.py on one device scores the four-device run as its final validation did: the
+    # training mesh does not fit one device, so it evaluates over data alone (logged).
+    key = f"{EVAL_SPLIT}/nll"
+    lines = (tmp_path / "four" / "metrics.jsonl").read_text().splitlines()
+    final_nll = [r[key] for r in map(json.loads, lines) if key in r][-1]
+    result = run(["eval.py", f"--workdir={tmp_path / 'four'}", f"--split={EVAL_SPLIT}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the training mesh does not fit this run" in result.stderr
+    report = json.loads((tmp_path / "four" / f"eval_{EVAL_SPLIT}.json").read_text())
+    assert report["step"] == 3
+    assert report["nll"] == pytest.approx(final_nll, rel=1e-5)
+    bad = run(["eval.py", f"--workdir={tmp_path / 'four'}", "--mesh=2,2,1"])
+    assert bad.returncode != 0
+    assert "--mesh=2,2,1: mesh.data=2, mesh.fsdp=2, mesh.tensor=1: the mesh has 4" in bad.stderr
 
 
 def test_train_step_draws_fresh_dropout_masks_every_step(tmp_path, tfds_dir, ptb):

@@ -328,22 +328,28 @@ def format_changes(changes: dict[str, tuple]) -> str:
 
 
 def check_devices(
-    config: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1
+    config: ml_collections.ConfigDict,
+    num_devices: int,
+    num_processes: int = 1,
+    *,
+    training: bool = True,
 ) -> None:
     """Raise ValueError naming the keys when the mesh (mesh.data, mesh.fsdp, mesh.tensor) does
     not fit `num_devices`, the batches do not divide over its data x fsdp row shards
-    (train.batch_size, each micro-batch of it (train.grad_accum_steps), eval.batch_size), or
-    the training rows and input shards (data.input_shards) do not divide over the processes."""
+    (eval.batch_size; for `training` also train.batch_size and each micro-batch of it,
+    train.grad_accum_steps), or, for `training`, the training rows and input shards
+    (data.input_shards) do not divide over the processes."""
     data, fsdp, _ = sharding.mesh_shape(config.mesh, num_devices)
     shards = data * fsdp
     where = f"the {shards} row shards of the mesh (mesh.data x mesh.fsdp = {data} x {fsdp})"
     t = config.train
-    for key, rows in (
-        ("train.batch_size", t.batch_size),
-        ("eval.batch_size", config.eval.batch_size),
-    ):
+    batches = {"train.batch_size": t.batch_size} if training else {}
+    batches["eval.batch_size"] = config.eval.batch_size
+    for key, rows in batches.items():
         if rows % shards:
             raise ValueError(f"{key}={rows} must be divisible by {where}")
+    if not training:
+        return
     if (t.batch_size // t.grad_accum_steps) % shards:
         raise ValueError(
             f"a micro-batch of train.batch_size / train.grad_accum_steps = {t.batch_size} / "

@@ -191,8 +191,8 @@ def setup(
     model_cls: type[nnx.Module],
     model_cfg: Any,
 ) -> Experiment:
-    """Mesh, model graphs, optimizer and checkpointer for a validated config."""
-    config_lib.check_devices(config, jax.device_count(), jax.process_count())
+    """Mesh, model graphs, optimizer and checkpointer for a validated config (`make_task`
+    checks it against the devices)."""
     mesh = sharding.make_mesh(config.mesh)
     os.makedirs(workdir, exist_ok=True)
     model_cfg, model, train_graphdef, abstract_params, eval_graphdef = _model_graphs(
@@ -256,6 +256,44 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str, accept_change
             f"{config_lib.format_changes(changes)}. Use a new --workdir, or pass "
             "--accept_config_changes to resume it with these changes"
         )
+
+
+MESH_FLAG_HELP = (
+    "data,fsdp,tensor: the device mesh of this run, one size -1 for the rest (default: the "
+    "training run's mesh where it fits these devices, else every device on data)"
+)
+
+
+def set_evaluation_mesh(
+    config: ml_collections.ConfigDict, mesh_flag: str | None, num_devices: int
+) -> None:
+    """Set config.mesh (a trained run's config) for evaluating on `num_devices`: `mesh_flag`
+    ("data,fsdp,tensor") where given; else the training mesh if it fits these devices, else
+    every device on the data axis, logged. A checkpoint restores onto any mesh."""
+    if mesh_flag is not None:
+        try:
+            sizes = [int(size) for size in mesh_flag.split(",")]
+        except ValueError:
+            sizes = []
+        if len(sizes) != len(sharding.MESH_AXES):
+            raise ValueError(f"--mesh={mesh_flag}: give three integer sizes, data,fsdp,tensor")
+        with config.unlocked():
+            config.mesh.update(dict(zip(sharding.MESH_AXES, sizes, strict=True)))
+        try:
+            sharding.mesh_shape(config.mesh, num_devices)
+        except ValueError as e:
+            raise ValueError(f"--mesh={mesh_flag}: {e}") from None
+        return
+    try:
+        sharding.mesh_shape(config.mesh, num_devices)
+    except ValueError as e:
+        absl_logging.info(
+            "the training mesh does not fit this run (%s): every device on data instead "
+            "(--mesh sets another)",
+            e,
+        )
+        with config.unlocked():
+            config.mesh.update(config_lib.base_config().mesh.to_dict())
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:

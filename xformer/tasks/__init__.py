@@ -13,11 +13,18 @@ import ml_collections
 from xformer import config as config_lib
 
 
-def make_task(config: ml_collections.ConfigDict, workdir: str, *, train_if_missing: bool = True):
-    """Validate the config (and its batch sizes against the devices), then build the task of
-    its model family."""
+def make_task(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    train_if_missing: bool = True,
+    training: bool = True,
+):
+    """Validate the config (and its batch sizes against the devices: the training batches too
+    unless `training` is False, as for eval.py, sample.py and average.py), then build the task
+    of its model family."""
     config_lib.validate(config)
-    config_lib.check_devices(config, jax.device_count(), jax.process_count())
+    config_lib.check_devices(config, jax.device_count(), jax.process_count(), training=training)
     if config.model.family == "decoder_only":
         from xformer.tasks.language_modeling import LanguageModelingTask
 
