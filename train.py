@@ -99,6 +99,8 @@ def main(argv):
         result = train_lib.train_and_evaluate(
             _CONFIG.value, _WORKDIR.value, accept_config_changes=_ACCEPT_CHANGES.value
         )
+    except train_lib.RunConfigError as e:
+        sys.exit(f"train.py: {e}")
     except train_lib.DivergedError as e:
         logging.error("%s", e)
         sys.exit(EXIT_DIVERGED)
