@@ -46,6 +46,8 @@ from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench_output import command_line  # noqa: E402
+
 from xformer.adaptive import AdaptiveLogSoftmax, ClusterLayout  # noqa: E402
 
 WT103_VOCAB = 267_735
@@ -198,11 +200,11 @@ def main(argv=None) -> None:
     if args.quick:
         args.vocab, args.cutoffs = 2000, (200, 400, 1500)
         args.settings = ((32, 32, 1), (32, 64, 4))
-        args.positions, args.repeats = min(args.positions, 256), 2
+        args.positions, args.repeats = min(args.positions, 256), min(args.repeats, 2)
     else:
         args.vocab, args.cutoffs = WT103_VOCAB, WT103_CUTOFFS
         args.settings = [tuple(map(int, s.split(","))) for s in args.settings] or SETTINGS
-    command = "python " + " ".join(["bench/adaptive_softmax.py", *sys.argv[1:]])
+    command = command_line()
     print(f"# {command}")
     print(
         f"# device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "

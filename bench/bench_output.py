@@ -3,9 +3,8 @@ command added, printed as JSON and written to a file under the checkout."""
 
 import json
 import os
+import shlex
 import sys
-
-import jax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -13,15 +12,22 @@ from xformer.files import write_json  # noqa: E402
 from xformer.provenance import machine_string  # noqa: E402
 
 
+def command_line() -> str:
+    """The command that ran this script, from the checkout, quoted for a shell."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
+    return shlex.join(["python", script, *sys.argv[1:]])
+
+
 def finish(summary: dict, output: str) -> None:
     """Print `summary` with "device", "jax" and "command" added, and write it to `output`
     (relative to the checkout unless absolute)."""
-    script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
+    import jax  # here: command_line's users need not import it
+
     summary = {
         **summary,
         "device": machine_string(),
         "jax": jax.__version__,
-        "command": " ".join(["python", script, *sys.argv[1:]]),
+        "command": command_line(),
     }
     print(json.dumps(summary, indent=2))
     path = os.path.join(ROOT, output)

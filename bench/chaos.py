@@ -26,6 +26,8 @@ from absl import logging
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_output import command_line  # noqa: E402
+
 from xformer.checkpoint import read_state  # noqa: E402
 from xformer.config import flatten  # noqa: E402
 from xformer.files import read_jsonl  # noqa: E402
@@ -92,7 +94,7 @@ def main() -> None:
     root.mkdir(parents=True)
     data_dir, log = root / "tfds", root / "train.log"
     rng = np.random.default_rng(args.seed)
-    print(f"command: python bench/chaos.py --kills={args.kills} --seed={args.seed}", flush=True)
+    print(f"command: {command_line()}", flush=True)
 
     start_time = time.time()
     ref = root / "reference"

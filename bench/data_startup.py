@@ -180,8 +180,9 @@ def main() -> None:
         runs = [round(r["seconds"], 2) for r in rows]
         print(f"{mode:8} {medians[mode]:9.2f} {mib:24.0f}   (each: {runs})")
     print(f"text / cached: {medians['text'] / medians['cached']:.0f}x")
-    command = f"python bench/data_startup.py --family {args.family} --scale {scale}"
-    print(f"command: {command} --repeats {args.repeats}")
+    from bench_output import command_line  # here: the timed children need not import it
+
+    print(f"command: {command_line()}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_output import command_line  # noqa: E402
 from gpu_attention import flat_leaves, packed_segments, relative_error  # noqa: E402
 
 from xformer import masks  # noqa: E402
@@ -185,11 +186,12 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    command = command_line()
     rng = np.random.default_rng()
     check(rng)
     if args.check:
+        print(f"command: {command}")
         return
-    command = " ".join(["python bench/gpu_packed_attention.py", *sys.argv[1:]])
     device = jax.devices()[0]
     print(f"command: {command}\ndevice: {device.device_kind}, jax {jax.__version__}", flush=True)
     shape = (args.rows, args.length, args.heads, args.head_size)

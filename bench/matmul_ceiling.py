@@ -58,4 +58,8 @@ if __name__ == "__main__":
         f"(median of {args.repeats})"
     )
     if args.copy_gib:
-        print(f"copy x + 1 over {args.copy_gib:g} GiB: {copy_gbps(args.copy_gib):.1f} GB/s")
+        rate = copy_gbps(args.copy_gib, args.repeats)
+        print(f"copy x + 1 over {args.copy_gib:g} GiB: {rate:.1f} GB/s (median of {args.repeats})")
+    from bench_output import command_line
+
+    print(f"command: {command_line()}")

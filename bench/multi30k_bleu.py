@@ -20,6 +20,7 @@ from xformer.compare import Run
 from xformer.files import write_json
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_output import command_line  # noqa: E402
 from matmul_ceiling import matmul_gflops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +62,7 @@ def main() -> None:
         f"{args.split}_lc_tok_bleu": round(result["lc_tok_bleu"], 2),
         f"{args.split}_sacrebleu": round(result["sacrebleu"], 2),
         "sacrebleu_signature": result["signature"],
+        "command": command_line(),
         "commands": [" ".join(train_cmd[1:]), " ".join(eval_cmd[1:])],
     }
     print(json.dumps(summary, indent=2))

@@ -13,11 +13,15 @@ of context). A finished training run (done.json in its workdir) is not repeated.
 import argparse
 import json
 import os
+import sys
 import time
 
 from xformer import launch
 from xformer.compare import Run
 from xformer.files import write_json
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_output import command_line  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 XL_EVAL = {  # name -> eval.py flags; all at the training segment length
@@ -81,6 +85,7 @@ def main() -> None:
         "xl_eval_chosen_on_valid": best,
         "test_perplexity": {k: round(v["perplexity"], 2) for k, v in test.items()},
         "test_tokens": {k: v["tokens"] for k, v in test.items()},
+        "command": command_line(),
         "commands": [
             f"python train.py --config=configs/ptb_xl.py --workdir={xl}",
             f"python train.py --config=configs/ptb_xl.py:vanilla --workdir={vanilla}",
