@@ -7,7 +7,8 @@ Trains configs/ptb_xl.py and then its `vanilla` variant, one after the other, ea
 lengths and with longer evaluation memories (the one with the best validation perplexity is
 reported on test); the vanilla model on non-overlapping 70-token segments and with a sliding
 window of 70 tokens moved one token at a time (Al-Rfou et al.; every prediction sees 70 tokens
-of context). A finished training run (done.json in its workdir) is not repeated.
+of context). A finished training run (done.json in its workdir) is not repeated. Other
+arguments go to both train.py runs, e.g. `--config.train.num_steps=20` for a smoke run.
 """
 
 import argparse
@@ -43,19 +44,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", default="workdirs/bench_ptb")
     parser.add_argument("--skip_training", action="store_true")
-    args = parser.parse_args()
+    args, extra = parser.parse_known_args()
     xl, vanilla = (os.path.join(args.workdir, name) for name in ("xl", "vanilla"))
     os.makedirs(os.path.join(ROOT, args.workdir), exist_ok=True)
 
+    train_cmds = {
+        name: ["python", "train.py", f"--config={config}", f"--workdir={workdir}", *extra]
+        for name, workdir, config in (
+            ("xl", xl, "configs/ptb_xl.py"),
+            ("vanilla", vanilla, "configs/ptb_xl.py:vanilla"),
+        )
+    }
     train_minutes = {}
-    for name, workdir, config in (
-        ("xl", xl, "configs/ptb_xl.py"),
-        ("vanilla", vanilla, "configs/ptb_xl.py:vanilla"),
-    ):
+    for (name, cmd), workdir in zip(train_cmds.items(), (xl, vanilla), strict=True):
         start = time.time()
         if not args.skip_training and not os.path.exists(os.path.join(ROOT, workdir, "done.json")):
             log = os.path.join(ROOT, args.workdir, f"train_{name}.log")
-            cmd = ["python", "train.py", f"--config={config}", f"--workdir={workdir}"]
             launch.run(cmd, cwd=ROOT, log=log, check=True)
         train_minutes[name] = round((time.time() - start) / 60, 1)
 
@@ -87,8 +91,7 @@ def main() -> None:
         "test_tokens": {k: v["tokens"] for k, v in test.items()},
         "command": command_line(),
         "commands": [
-            f"python train.py --config=configs/ptb_xl.py --workdir={xl}",
-            f"python train.py --config=configs/ptb_xl.py:vanilla --workdir={vanilla}",
+            *(" ".join(cmd) for cmd in train_cmds.values()),
             f"python eval.py --workdir={xl} --split=test {' '.join(XL_EVAL[best])}",
             f"python eval.py --workdir={vanilla} --split=test",
             f"python eval.py --workdir={vanilla} --split=test --sliding_stride=1",
