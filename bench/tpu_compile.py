@@ -28,8 +28,6 @@ as on a TPU.
 import argparse
 import json
 import os
-import shlex
-import sys
 
 import gpu_compile
 import gpu_throughput as gt
@@ -83,11 +81,12 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
+    from bench_output import command_line
 
-    from xformer import op_profile
+    from xformer import op_profile, sharding
 
-    print("command:", shlex.join(["python", "bench/tpu_compile.py", *sys.argv[1:]]), flush=True)
-    mesh = compile_only_mesh(args.topology, tuple(int(s) for s in args.mesh.split(",")))
+    print("command:", command_line(), flush=True)
+    mesh = compile_only_mesh(args.topology, tuple(sharding.parse_mesh(args.mesh).values()))
     chips = mesh.devices.size
     device = mesh.devices.flat[0].device_kind
     peak, _ = gt.peak_tflops(device, 0.0)

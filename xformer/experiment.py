@@ -272,17 +272,11 @@ def set_evaluation_mesh(
     every device on the data axis, logged. A checkpoint restores onto any mesh."""
     if mesh_flag is not None:
         try:
-            sizes = [int(size) for size in mesh_flag.split(",")]
-        except ValueError:
-            sizes = []
-        if len(sizes) != len(sharding.MESH_AXES):
-            raise ValueError(f"--mesh={mesh_flag}: give three integer sizes, data,fsdp,tensor")
-        with config.unlocked():
-            config.mesh.update(dict(zip(sharding.MESH_AXES, sizes, strict=True)))
-        try:
-            sharding.mesh_shape(config.mesh, num_devices)
+            shape = sharding.parse_mesh(mesh_flag)
+            sharding.mesh_shape(shape, num_devices)
         except ValueError as e:
             raise ValueError(f"--mesh={mesh_flag}: {e}") from None
+        config.mesh.update(shape)
         return
     try:
         sharding.mesh_shape(config.mesh, num_devices)
@@ -292,8 +286,7 @@ def set_evaluation_mesh(
             "(--mesh sets another)",
             e,
         )
-        with config.unlocked():
-            config.mesh.update(config_lib.base_config().mesh.to_dict())
+        config.mesh.update(config_lib.base_config().mesh.to_dict())
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:

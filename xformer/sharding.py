@@ -60,6 +60,18 @@ def abstract_mesh(sizes: tuple[int, int, int]) -> AbstractMesh:
     return AbstractMesh(sizes, MESH_AXES, axis_types=AXIS_TYPES)
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """A command-line mesh, data,fsdp,tensor (e.g. "2,4,1"; one size may be -1) -> the sizes
+    by MESH_AXES. Raises ValueError unless it is three integers."""
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) != len(MESH_AXES):
+        raise ValueError("give three integer sizes, data,fsdp,tensor")
+    return dict(zip(MESH_AXES, sizes, strict=True))
+
+
 def mesh_shape(shape: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
     """(data, fsdp, tensor) sizes with the -1 filled in; see make_mesh."""
     unknown = set(shape) - set(MESH_AXES)
