@@ -228,7 +228,9 @@ def main() -> None:
     args = parser.parse_args()
     sizes = SIZES["quick" if args.quick else args.sizes]
     rng, seed = np.random.default_rng(), int(time.time()) % 10_000
-    command = " ".join(["python bench/gpu_attention.py", *sys.argv[1:]])
+    from bench_output import command_line
+
+    command = command_line()
     device = jax.devices()[0]
     print(
         f"command: {command}\ndevice: {device.device_kind} ({jax.default_backend()}), "

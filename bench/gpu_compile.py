@@ -41,8 +41,6 @@ import itertools
 import json
 import os
 import re
-import shlex
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -162,10 +160,11 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
+    from bench_output import command_line
 
     from xformer import op_profile
 
-    print("command:", shlex.join(["python", "bench/gpu_compile.py", *sys.argv[1:]]), flush=True)
+    print("command:", command_line(), flush=True)
     with open(args.target) as f:
         target = f.read()
     mesh = compile_only_mesh(target)

@@ -88,7 +88,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lengths", default="64,128,192,256")
     args = parser.parse_args()
-    command = " ".join(["python bench/gpu_empty_rows.py", *sys.argv[1:]])
+    from bench_output import command_line
+
+    command = command_line()
     print(f"command: {command}\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     raw_impl = "xla" if args.check else "cudnn"
     rng = np.random.default_rng()

@@ -93,7 +93,6 @@ import logging
 import math
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -630,7 +629,9 @@ def main() -> None:
             if args.out
             else tempfile.mkdtemp(prefix="gpu_profiles_")
         )
-    command = shlex.join(["python", "bench/gpu_throughput.py", *sys.argv[1:]])
+    from bench_output import command_line
+
+    command = command_line()
     print(f"command: {command}", flush=True)
     settings = [
         {

@@ -16,7 +16,6 @@ the tables and writes <workdir>/extrapolation.json, .md and .png.
 import argparse
 import json
 import os
-import sys
 
 from xformer import launch
 from xformer.files import read_json_if_present, write_json
@@ -127,7 +126,9 @@ def main() -> None:
     parser.add_argument("--d_model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
-    command = "python bench/length_extrapolation.py " + " ".join(sys.argv[1:])
+    from bench_output import command_line
+
+    command = command_line()
     print(f"command: {command}", flush=True)
     root = os.path.join(ROOT, args.workdir)
     os.makedirs(root, exist_ok=True)

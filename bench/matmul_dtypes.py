@@ -16,8 +16,6 @@ import argparse
 import functools
 import math
 import re
-import shlex
-import sys
 import tempfile
 
 import gpu_throughput as gt
@@ -73,7 +71,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--impl", default="xla", help="model.attention_impl")
     args = parser.parse_args()
-    print("command:", shlex.join(["python", "bench/matmul_dtypes.py", *sys.argv[1:]]))
+    from bench_output import command_line
+
+    print("command:", command_line())
     print("| model | dtype | attention | float32 matmuls | their GFLOP | all GFLOP | share |")
     print("|---|---|---|---:|---:|---:|---:|")
     for name in args.configs.split(","):

@@ -73,10 +73,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import gpu_throughput as gt
+    from bench_output import command_line
 
     from xformer.data.pipeline import packed_train_dataset
 
-    print("command: python bench/packing_speed.py " + " ".join(sys.argv[1:]))
+    print(f"command: {command_line()}")
     for shape in args.shapes.split(","):
         rows, length = map(int, shape.split("x"))
         pairs = gt.wmt_like_pairs(

@@ -14,7 +14,6 @@ Activations, gradients and the XL memory are not counted. Default: configs/wt103
 
 import argparse
 import importlib.util
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -70,9 +69,11 @@ def main() -> None:
     config = load_config(args.config)
     # the batch only has to divide over the mesh's row shards for this count to be built
     config.train.batch_size = config.eval.batch_size = 8 * config.train.grad_accum_steps
+    from bench_output import command_line
+
     print(
         f"command: XLA_FLAGS=--xla_force_host_platform_device_count={jax.device_count()} "
-        f"python bench/sharded_memory.py {shlex.join(sys.argv[1:])}".rstrip()
+        f"{command_line()}"
     )
     print(f"{args.config}, vocabulary {args.vocab:,}, {jax.device_count()} devices\n")
     print("| mesh | params | params + Adam, total | per device | share |")
