@@ -22,6 +22,7 @@ from absl import app, flags, logging
 from xformer import experiment as experiment_lib
 from xformer.averaging import average_params, steps_to_average
 from xformer.checkpoint import Checkpointer
+from xformer.data.errors import DataError
 from xformer.files import write_json
 from xformer.tasks import make_task
 
@@ -46,7 +47,7 @@ def main(argv):
         experiment_lib.set_evaluation_mesh(run_config, _MESH.value, jax.device_count())
         task = make_task(run_config, source, train_if_missing=False, training=False)
         steps = steps_to_average(task.exp, _LAST.value, _STEP.value)
-    except ValueError as e:
+    except (ValueError, DataError) as e:
         sys.exit(f"average.py: {e}")
     params = average_params(task.exp, steps)
 

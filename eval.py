@@ -68,6 +68,7 @@ from xformer import distributed_flags
 from xformer import experiment as experiment_lib
 from xformer.averaging import average_params, steps_to_average
 from xformer.bleu import bleu_report
+from xformer.data.errors import DataError
 from xformer.data.text import read_input_lines
 from xformer.data.translation import split_text
 from xformer.files import write_json
@@ -109,6 +110,7 @@ _COMPARE_OUT = flags.DEFINE_string("compare_out", None, "Where --compare writes 
 
 TRANSLATION_FLAGS = {"reference": _REFERENCE, "output": _OUTPUT}
 INPUT_ERROR_STATUS = 2  # exit status when an input, reference or output file cannot be used
+FILE_ERRORS = (ValueError, OSError, EOFError, zlib.error)
 LOG_EVERY_S = 10.0  # progress lines during evaluation
 OVERRIDES = {
     "encoder_decoder": {"beam_size": _BEAM, "length_penalty": _ALPHA, "batch_size": _BATCH},
@@ -155,10 +157,11 @@ def main(argv):
         for key, flag in OVERRIDES[family].items():
             if flag.value is not None:
                 config.eval[key] = flag.value
-    if family == "decoder_only":
-        result = evaluate_language_model(config, workdir)
-    else:
-        result = evaluate_translation(config, workdir)
+    with input_errors(DataError):  # missing or bad data files, anywhere in the evaluation
+        if family == "decoder_only":
+            result = evaluate_language_model(config, workdir)
+        else:
+            result = evaluate_translation(config, workdir)
     if jax.process_index() == 0:
         suffix = f".avg{_AVERAGE_LAST.value}" if _AVERAGE_LAST.value else ""
         write_json(os.path.join(workdir, f"eval_{result['name']}{suffix}.json"), result)
@@ -178,12 +181,13 @@ def compare(extra_workdirs: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def input_errors() -> Iterator[None]:
+def input_errors(*errors: type[Exception]) -> Iterator[None]:
     """Errors reading or checking the user's files (not internal errors): one line on stderr,
-    exit status INPUT_ERROR_STATUS."""
+    exit status INPUT_ERROR_STATUS. `errors`: the types caught (default: any file error)."""
+    errors = errors or FILE_ERRORS
     try:
         yield
-    except (ValueError, OSError, EOFError, zlib.error) as e:
+    except errors as e:
         print(f"eval.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(INPUT_ERROR_STATUS)
 

@@ -28,6 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from xformer import experiment as experiment_lib
+from xformer.data.errors import DataError
 from xformer.data.text import read_text_lines
 from xformer.files import write_json
 from xformer.generate import (
@@ -108,7 +109,7 @@ def main(argv):
             mem_len=settings.mem_len,
             segment_length=settings.segment_length,
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, DataError) as e:
         sys.exit(f"sample.py: {e}")
     if unknown:
         logging.warning(

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from xformer import config as config_lib
-from xformer.data.readers import translation_source
 from xformer.data.text import read_parallel_files, read_text_lines
 from xformer.experiment import save_config
 
@@ -158,16 +157,25 @@ def test_micro_batch_not_dividing_over_the_devices(tmp_path):
     assert not (tmp_path / "vocab").exists() and not (tmp_path / "config.json").exists()
 
 
-def test_missing_data_says_where_to_put_it(tmp_path):
-    empty = tmp_path / "nothing_here"
-    empty.mkdir()
-    with pytest.raises(Exception) as info:
-        translation_source(
-            "multi30k", "train", data_dir=str(tmp_path / "tfds"), manual_dir=str(empty)
-        )
-    message = str(info.value)
-    assert "XFORMER_DATA_DIR" in message or str(empty) in message
-    assert "train.en" in message or "multi30k" in message
+def test_missing_data_is_one_line_from_train_and_eval(tmp_path):
+    """Data files that are missing: train.py and eval.py say which and where, in one line
+    without a traceback, before any compute."""
+    manual = tmp_path / "ptb_copy"
+    manual.mkdir()
+    (manual / "ptb.train.txt").write_text(" a b c \n", encoding="utf-8")
+    data = [f"--config.data.manual_dir={manual}", f"--config.data.data_dir={tmp_path / 'tfds'}"]
+    message = f"Incomplete copy in {manual}: missing ptb.valid.txt, ptb.test.txt"
+    workdir = tmp_path / "run"
+    result = run(["train.py", "--config=configs/ptb_xl.py", f"--workdir={workdir}", *data])
+    assert result.returncode == 1 and f"train.py: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (workdir / "checkpoints").exists() and not (workdir / "vocab").exists()
+    # eval.py on a workdir whose vocabulary went missing: the same, exit status 2.
+    save_config(config_lib.lm_base_config("ptb"), str(workdir))
+    result = run(["eval.py", f"--workdir={workdir}", "--split=test"])
+    message = f"{workdir / 'vocab' / 'ptb.vocab'} not found: train.py writes it"
+    assert result.returncode == 2 and f"eval.py: error: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_parallel_files_of_different_lengths(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 from xformer.data import raw_files, readers
 from xformer.data.builders import multi30k
+from xformer.data.errors import DataDownloadError, DataFileNotFoundError, DataValueError
 from xformer.data.readers import read_all, translation_source
 from xformer.data.text import read_parallel_files, read_text_lines
 
@@ -154,7 +155,7 @@ def test_builder_keeps_empty_lines_and_strips_only_newlines(tmp_path):
 
 def test_builder_rejects_mismatched_split(tmp_path):
     manual = _write_manual_dir(tmp_path / "manual", {"val.de": [b"a\n", b"b\n"]})
-    with pytest.raises(ValueError, match="different line counts") as info:
+    with pytest.raises(DataValueError, match="different line counts") as info:
         translation_source(
             "multi30k", "val", data_dir=str(tmp_path / "tfds"), manual_dir=str(manual)
         )
@@ -166,7 +167,7 @@ def test_builder_rejects_invalid_utf8(tmp_path):
     manual = _write_manual_dir(
         tmp_path / "manual", {"train.de": [b"ok\n", b"caf\xe9\n"], "train.en": [b"a\n", b"b\n"]}
     )
-    with pytest.raises(ValueError, match=r"train\.de\.gz: line 2 is not valid UTF-8"):
+    with pytest.raises(DataValueError, match=r"train\.de\.gz: line 2 is not valid UTF-8"):
         translation_source(
             "multi30k", "train", data_dir=str(tmp_path / "tfds"), manual_dir=str(manual)
         )
@@ -175,7 +176,7 @@ def test_builder_rejects_invalid_utf8(tmp_path):
 def test_builder_rejects_partial_copy(tmp_path):
     manual = _write_manual_dir(tmp_path / "manual", {})
     (manual / "test_2017_mscoco.de.gz").unlink()
-    with pytest.raises(FileNotFoundError, match="missing test_2017_mscoco.de.gz"):
+    with pytest.raises(DataFileNotFoundError, match="missing test_2017_mscoco.de.gz"):
         translation_source(
             "multi30k", "val", data_dir=str(tmp_path / "tfds"), manual_dir=str(manual)
         )
@@ -189,7 +190,7 @@ def test_offline_without_local_copy_explains_where_files_go(tmp_path, monkeypatc
     monkeypatch.setattr(raw_files.urllib.request, "getproxies", dict)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(DataDownloadError) as info:
         translation_source(
             "multi30k", "val", data_dir=str(tmp_path / "tfds"), manual_dir=str(empty)
         )

@@ -12,6 +12,7 @@ import pytest
 
 from xformer.data import checksums, raw_files
 from xformer.data.builders.byte_streams import CHUNK_BYTES, stream_split_bounds
+from xformer.data.errors import DataDownloadError
 from xformer.data.readers import prepare_corpus, read_corpus
 from xformer.data.registry import LM_CORPORA, corpus_info
 from xformer.data.vocab import EOS, UNK, ByteVocab, CharVocab, WordVocab, build_vocab
@@ -388,7 +389,7 @@ def test_offline_without_local_copy_explains_where_files_go(name, tmp_path, monk
     _no_network(monkeypatch)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(DataDownloadError) as info:
         read_corpus(name, "train", data_dir=str(tmp_path / "tfds"), manual_dir=str(empty))
     message = str(info.value)
     assert str(empty) in message

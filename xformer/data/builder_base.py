@@ -30,6 +30,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from xformer.data import checksums, raw_files, registry
+from xformer.data.errors import DataDownloadError, DataFileNotFoundError, DataValueError
 from xformer.data.raw_files import DATA_DIR_ENV, RawFiles
 
 logger = logging.getLogger(__name__)
@@ -124,12 +125,12 @@ class BaseBuilder(LocalFirst, tfds.core.GeneratorBasedBuilder, skip_registration
             raw_files.extract(archive, Path(tmp), keep=lambda n: PurePosixPath(n).name in wanted)
             paths = raw_files.find_local_files(raw, tmp)
             if paths is None:
-                raise FileNotFoundError(f"{archive} does not hold {', '.join(raw.files)}.")
+                raise DataFileNotFoundError(f"{archive} does not hold {', '.join(raw.files)}.")
             checksums.verify(self.name, raw, paths, downloaded=downloaded, origin=archive)
             try:
                 yield paths
             except ValueError as e:  # bad text: say which archive the temporary file was in
-                raise ValueError(f"{archive}: {e}") from None
+                raise DataValueError(f"{archive}: {e}") from None
 
 
 # --------------------------------------------------------------------------- prepare once
@@ -149,7 +150,7 @@ def prepare(
     looked up with ``raw_files.resolve_manual_dir(folder, manual_dir)``.  Bad or
     incomplete local files raise ``ValueError`` / ``FileNotFoundError`` naming
     them; any other failure becomes a ``RuntimeError`` that names the manual dir,
-    followed by ``hint``.
+    followed by ``hint``: a ``DataDownloadError`` when the download failed.
     """
     # (`builder.is_prepared()` logs a warning when the directory does not exist.)
     if (builder.data_path / "dataset_info.json").exists():
@@ -167,7 +168,8 @@ def prepare(
                 "\nTFDS 4.9.10 needs `importlib_resources` to prepare catalog datasets but "
                 "does not declare it (tensorflow/datasets#11212): pip install importlib_resources"
             )
-        raise RuntimeError(
+        error = DataDownloadError if isinstance(e, DataDownloadError) else RuntimeError
+        raise error(
             f"Could not prepare {name!r} in {builder.data_dir_root}; manual dir: {searched}.\n"
             f"{e}{hint}"
         ) from e

@@ -37,6 +37,7 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+from xformer.data.errors import DataValueError
 from xformer.data.raw_files import RawFiles
 from xformer.data.text import GZIP_MAGIC
 
@@ -118,7 +119,7 @@ def verify(
         )
         return
     name, got = next(iter(bad.items()))
-    raise ValueError(
+    raise DataValueError(
         f"{where[name]} (downloaded from {raw.download_url(name)}) has SHA-256 {got} (of its "
         f"uncompressed content), expected {expected[name]}. Delete the download and retry, or "
         "use a local copy."

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+from xformer.data.errors import DataDownloadError, DataFileNotFoundError
+
 DATA_DIR_ENV = "XFORMER_DATA_DIR"
 # <repo>/xformer/data/raw_files.py -> <repo>/../shared/data (only the checkout is resolved).
 SHARED_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -143,7 +145,7 @@ def find_local_files(raw: RawFiles, root: str | Path | None) -> dict[str, Path] 
             return found
         if any(found.values()):
             missing = [name for name, path in found.items() if path is None]
-            raise FileNotFoundError(
+            raise DataFileNotFoundError(
                 f"Incomplete copy in {directory}: missing {', '.join(missing)}. Add them "
                 f"(from {raw.url.format(file='<file>')}) or remove the files to download "
                 "everything."
@@ -162,7 +164,7 @@ def _check_reachable(url: str, failure: str, help_text: str) -> None:
     try:
         socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
     except OSError as e:
-        raise RuntimeError(
+        raise DataDownloadError(
             f"{failure} it cannot be downloaded from {url} ({parts.hostname} is unreachable: "
             f"{e}).\n{help_text}"
         ) from e
@@ -172,7 +174,7 @@ def download(dataset: str, raw: RawFiles, dl_manager: Any, root: Path | None) ->
     """Downloads the official files with the TFDS download manager ``dl_manager``.
 
     Returns ``{archive name: path}`` or, for per-file URLs, ``{file name: path}``.
-    Failures (also an unreachable host, checked first) raise ``RuntimeError`` that
+    Failures (also an unreachable host, checked first) raise ``DataDownloadError`` that
     says where to put the files to work offline; ``root`` is the manual dir that
     was searched.
     """
@@ -185,7 +187,7 @@ def download(dataset: str, raw: RawFiles, dl_manager: Any, root: Path | None) ->
             return {raw.archive: Path(dl_manager.download(raw.url))}
         got = dl_manager.download({name: raw.download_url(name) for name in raw.files})
     except Exception as e:
-        raise RuntimeError(f"{failure} downloading {shown} failed: {e}\n{raw.help()}") from e
+        raise DataDownloadError(f"{failure} downloading {shown} failed: {e}\n{raw.help()}") from e
     return {name: Path(path) for name, path in got.items()}
 
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from xformer.data.errors import DataValueError
 from xformer.data.raw_files import DATA_DIR_ENV, dataset_folder
 from xformer.data.registry import DATASETS, TRANSLATION, corpus_info, make_builder
 
@@ -102,7 +103,7 @@ def _check_split(kind: str, name: str, split: str, valid: Sequence[str]) -> None
     # "train[:10%]+val" -> ["train", "val"]
     unknown = [s for s in (p.split("[", 1)[0].strip() for p in split.split("+")) if s not in valid]
     if unknown:
-        raise ValueError(
+        raise DataValueError(
             f"Unknown split {split!r} for {kind} {name!r}; valid splits: {', '.join(valid)}"
         )
 

@@ -40,6 +40,8 @@ from pathlib import Path
 
 from absl import logging
 
+from xformer.data.errors import DataValueError
+
 GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -83,7 +85,7 @@ def decode_utf8(data: bytes, path: str | Path) -> str:
         line_no = data.count(b"\n", 0, e.start) + 1
         line_start = data.rfind(b"\n", 0, e.start) + 1
         bad = data[e.start : e.end]
-        raise ValueError(
+        raise DataValueError(
             f"{path}: line {line_no} is not valid UTF-8 ({e.reason}: byte(s) {bad!r} "
             f"at column {e.start - line_start + 1})"
         ) from None
@@ -140,7 +142,7 @@ def read_parallel_files(src_path: str | Path, tgt_path: str | Path) -> tuple[lis
     src = read_text_lines(src_path)
     tgt = read_text_lines(tgt_path)
     if len(src) != len(tgt):
-        raise ValueError(
+        raise DataValueError(
             f"Parallel files have different line counts: {src_path} has {len(src)} lines, "
             f"{tgt_path} has {len(tgt)} lines."
         )

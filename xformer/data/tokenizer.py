@@ -13,6 +13,7 @@ import sentencepiece as spm
 from absl import logging
 
 from xformer import locks
+from xformer.data.errors import DataFileNotFoundError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -96,7 +97,7 @@ def cached_tokenizer(
     if os.path.exists(path):
         return Tokenizer(path)
     if not train_if_missing:
-        raise FileNotFoundError(
+        raise DataFileNotFoundError(
             f"no tokenizer {path}: train.py writes it when a run starts, and a workdir with "
             "checkpoints needs the one it was trained with (put it back, or use a new workdir)"
         )

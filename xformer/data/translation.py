@@ -8,6 +8,7 @@ import ml_collections
 import numpy as np
 
 from xformer.data.encoded_cache import cached_arrays, file_digest, record_files
+from xformer.data.errors import DataValueError
 from xformer.data.pipeline import EncodedPairs, RaggedIds
 from xformer.data.readers import TranslationSource, read_all, translation_source
 from xformer.data.tokenizer import Tokenizer, cached_tokenizer
@@ -150,7 +151,7 @@ def cached_pairs(
         *(RaggedIds(arrays[f"{side}_ids"], arrays[f"{side}_offsets"]) for side in _SIDES)
     )
     if len(pairs) != len(source):
-        raise ValueError(
+        raise DataValueError(
             f"{cache_dir} holds {len(pairs)} pairs of {source.dataset} {source.split}, the split "
             f"has {len(source)}: delete its entry to encode it again"
         )

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from xformer import distributed, model_config, sharding
 from xformer import experiment as experiment_lib
 from xformer.data.encoded_cache import cached_arrays, file_digest, record_files
+from xformer.data.errors import DataFileNotFoundError, DataValueError
 from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
 from xformer.data.readers import corpus_source, corpus_text
 from xformer.data.registry import LM_CORPORA
@@ -133,7 +134,7 @@ class LanguageModelingTask:
         if os.path.exists(path):
             return (WordVocab if self.corpus.tokenization == "whitespace" else CharVocab).load(path)
         if not train_if_missing:
-            raise FileNotFoundError(
+            raise DataFileNotFoundError(
                 f"{path} not found: train.py writes it when a run starts, and a workdir with "
                 "checkpoints needs the one it was trained with (put it back, or use a new workdir)"
             )
@@ -289,13 +290,13 @@ def encode_text_file(vocab: Vocab, path: str) -> EncodedText:
         unknown = vocab.unknown_tokens(lines)
         if unknown and vocab.unk_id is None:
             where = functools.partial(_first_token, lines)
-            raise ValueError(_unknown_symbols(path, unknown, vocab, where))
+            raise DataValueError(_unknown_symbols(path, unknown, vocab, where))
         return EncodedText(vocab.encode_lines(lines), sum(unknown.values()))
     text = decode_utf8(read_bytes(path), path).removeprefix(BOM)
     unknown = vocab.unknown_chars(text)
     if unknown:
         where = functools.partial(_first_char, text)
-        raise ValueError(_unknown_symbols(path, unknown, vocab, where))
+        raise DataValueError(_unknown_symbols(path, unknown, vocab, where))
     return EncodedText(vocab.encode(text), 0)
 
 
