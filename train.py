@@ -44,6 +44,7 @@ from xformer import distributed_flags, preemption, train_lib
 from xformer import experiment as experiment_lib
 from xformer import sweep as sweep_lib
 from xformer.checkpoint import CheckpointWriteError
+from xformer.config import ConfigError
 from xformer.data.errors import DataError
 
 EXIT_DIVERGED = 3  # train.nonfinite="stop" met a non-finite loss or gradient
@@ -100,7 +101,7 @@ def main(argv):
         result = train_lib.train_and_evaluate(
             _CONFIG.value, _WORKDIR.value, accept_config_changes=_ACCEPT_CHANGES.value
         )
-    except (train_lib.RunConfigError, DataError) as e:  # the message says what to change
+    except (ConfigError, DataError) as e:  # the message says what to change
         sys.exit(f"train.py: {e}")
     except train_lib.DivergedError as e:
         logging.error("%s", e)

@@ -286,6 +286,7 @@ def test_incompatible_language_model_options(overrides, message):
             r"'model.encoder_mask' is 'causal'; allowed values for encoder_decoder",
         ),
         ({"model.mem_len": 70}, r"model.mem_len is for decoder_only models"),
+        ({"data.dataset": "ptb"}, r"'encoder_decoder' needs translation data; .*'ptb' is not"),
         ({"model.encoder_mask": "sliding_window"}, r"attention_window=0 must be > 0"),
         (
             {"model.positional": "t5_bias", "model.relative_max_distance": 8},
@@ -311,5 +312,24 @@ def test_language_model_on_a_translation_corpus(tmp_path):
             "--config.data.dataset=multi30k",
         ]
     )
-    assert result.returncode != 0
-    assert "not a language-modelling corpus" in result.stderr and "'ptb'" in result.stderr
+    assert result.returncode == 1 and "Traceback" not in result.stderr  # one line, before data
+    message = "train.py: model.family='decoder_only' needs a language-modelling corpus; "
+    assert message + "data.dataset='multi30k' is not" in result.stderr and "'ptb'" in result.stderr
+    assert not (tmp_path / "vocab").exists()
+
+
+def test_adaptive_cutoffs_beyond_the_vocabulary(tmp_path):
+    """Found once the vocabulary is built (PTB's 10,000 types), still before the model is."""
+    result = run(
+        [
+            "train.py",
+            "--config=configs/ptb_xl.py",
+            f"--workdir={tmp_path / 'run'}",
+            f"--config.data.data_dir={tmp_path / 'tfds'}",
+            "--config.model.adaptive_cutoffs=(2000, 20000)",
+        ]
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    message = "train.py: model.adaptive_cutoffs=(2000, 20000) must be below the vocabulary size"
+    assert f"{message} 10000 of ptb" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -15,6 +15,7 @@ import jax
 import ml_collections
 
 from xformer import masks, model_config, positional, sharding
+from xformer.data.registry import LM_CORPORA
 from xformer.positional import SCHEMES
 
 ALLOWED = {  # data and train keys; the model keys' allowed values are in model_config.py
@@ -22,6 +23,11 @@ ALLOWED = {  # data and train keys; the model keys' allowed values are in model_
     "train.schedule": ("rsqrt", "cosine", "constant"),
     "train.nonfinite": ("stop", "skip"),
 }
+
+
+class ConfigError(ValueError):
+    """A config that cannot run (with its workdir, devices or data); the message names the keys.
+    train.py prints it as one line."""
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -229,6 +235,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
     cfg = _validate_model(config.model)
     m, d, t = config.model, config.data, config.train
+    if isinstance(cfg, model_config.LMConfig) != (d.dataset in LM_CORPORA):
+        wanted = "a language-modelling corpus" if m.family == "decoder_only" else "translation data"
+        raise ValueError(
+            f"model.family={m.family!r} needs {wanted}; data.dataset={d.dataset!r} is not "
+            f"(language-modelling corpora: {sorted(LM_CORPORA)})"
+        )
     if isinstance(cfg, model_config.LMConfig):
         _validate_language_model(config, cfg)
     elif m.share_embeddings and d.vocab != "joint":

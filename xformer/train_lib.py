@@ -318,10 +318,6 @@ def stop_reason(
     return "signal" if signalled else "max_train_seconds" if time_up else None
 
 
-class RunConfigError(ValueError):
-    """The config, its workdir or its devices cannot run: found before any data or compute."""
-
-
 class DivergedError(RuntimeError):
     """A non-finite loss or gradient with train.nonfinite="stop"."""
 
@@ -385,7 +381,7 @@ def train_and_evaluate(
     """Train (resuming from the workdir's last checkpoint) and return final validation metrics
     (with "stopped": "signal", "max_train_seconds" or None). A workdir with checkpoints resumes
     only the same run (experiment.check_workdir) unless `accept_config_changes`; a config that
-    cannot run raises RunConfigError first."""
+    cannot run raises config.ConfigError first."""
     # Imported here: tensorboardX serves the loop only, not the users of train_step
     # (bench/gpu_throughput.py runs where it is missing).
     from xformer.metric_writer import MetricWriter
@@ -395,7 +391,7 @@ def train_and_evaluate(
         experiment_lib.check_workdir(config, workdir, accept_config_changes)
         config_lib.check_devices(config, jax.device_count(), jax.process_count())
     except ValueError as e:
-        raise RunConfigError(str(e)) from e
+        raise config_lib.ConfigError(str(e)) from e
     # A resumed run needs the vocabulary it was trained with: never a new one.
     task = make_task(config, workdir, train_if_missing=not experiment_lib.has_checkpoint(workdir))
     exp = task.exp

@@ -22,6 +22,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from xformer import config as config_lib
 from xformer import distributed, model_config, sharding
 from xformer import experiment as experiment_lib
 from xformer.data.encoded_cache import cached_arrays, file_digest, record_files
@@ -102,11 +103,6 @@ class LanguageModelingTask:
     ):
         self.config = config
         d = config.data
-        if d.dataset not in LM_CORPORA:
-            raise ValueError(
-                f"data.dataset={d.dataset!r} is not a language-modelling corpus; "
-                f"known: {sorted(LM_CORPORA)}"
-            )
         self.corpus = LM_CORPORA[d.dataset]
         self._streams: dict[str, np.ndarray] = {}
         self._vocab_dir = d.vocab_dir or os.path.join(workdir, "vocab")
@@ -116,7 +112,7 @@ class LanguageModelingTask:
             self.vocab = self._load_vocab(workdir, train_if_missing)
         cutoffs = config.model.adaptive_cutoffs
         if cutoffs and cutoffs[-1] >= len(self.vocab):
-            raise ValueError(
+            raise config_lib.ConfigError(
                 f"model.adaptive_cutoffs={tuple(cutoffs)} must be below the vocabulary size "
                 f"{len(self.vocab)} of {d.dataset}"
             )
