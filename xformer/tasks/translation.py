@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from xformer import distributed, model_config, sharding
@@ -18,12 +19,12 @@ from xformer.data.pipeline import (
     pad_rows,
     sorted_batches,
 )
-from xformer.data.tokenizer import BOS_ID
+from xformer.data.tokenizer import BOS_ID, EOS_ID
 from xformer.data.translation import encoded_split, load_tokenizers, split_text
 from xformer.dispatch import DispatchWindow
 from xformer.losses import cross_entropy
 from xformer.models import EncoderDecoder
-from xformer.translate import Translator
+from xformer.translate import Translator, position_limit
 
 MODEL_INPUTS = ("src", "tgt_in", "src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
@@ -37,16 +38,24 @@ def loss_terms(model, batch: dict, label_smoothing: float) -> tuple[jax.Array, d
     return loss_sum, {"nll_sum": nll_sum, "tokens": tokens, "input_tokens": input_tokens}
 
 
-def padded_batches(pairs: EncodedPairs, batch_size: int) -> list[dict[str, np.ndarray]]:
-    """Every pair exactly once, in fixed-size batches of similar length (no length filter)."""
+def padded_batches(
+    pairs: EncodedPairs, batch_size: int, max_length: int | None = None
+) -> list[dict[str, np.ndarray]]:
+    """Every pair exactly once, in fixed-size batches of similar length (no length filter).
+
+    `max_length` (learned positions: the table's rows) bounds the padded length; a longer side
+    is cut to it: a source to its first max_length - 1 tokens and EOS (as translation cuts its
+    inputs), a target to the first max_length tokens, the ones scored."""
     batches, lengths = [], np.maximum(pairs.src.lengths, pairs.tgt.lengths)
     for idx in sorted_batches(lengths, batch_size):
         length = bucket_length(int(lengths[idx].max()))
-        tgt_out = pad_rows([pairs.tgt[i] for i in idx], length, batch_size)
+        if max_length:
+            length = min(length, max_length)
+        tgt_out = pad_rows([pairs.tgt[i][:length] for i in idx], length, batch_size)
         tgt_in = np.concatenate([np.full((batch_size, 1), BOS_ID, np.int32), tgt_out[:, :-1]], 1)
         segments = (tgt_out > 0).astype(np.int32)
         positions = np.broadcast_to(np.arange(length, dtype=np.int32), tgt_out.shape)
-        src = pad_rows([pairs.src[i] for i in idx], length, batch_size)
+        src = pad_rows([_cut_source(pairs.src[i], length) for i in idx], length, batch_size)
         batches.append(
             {
                 "src": src,
@@ -59,6 +68,12 @@ def padded_batches(pairs: EncodedPairs, batch_size: int) -> list[dict[str, np.nd
             }
         )
     return batches
+
+
+def _cut_source(ids: np.ndarray, length: int) -> np.ndarray:
+    if len(ids) <= length:
+        return ids
+    return np.concatenate([ids[: length - 1], [EOS_ID]]).astype(np.int32)
 
 
 def model_cfg_for(
@@ -156,7 +171,22 @@ class Evaluator:
         c, self.exp = task.config, task.exp
         self.src_lines, self.ref_lines = split_text(c, split)
         pairs = EncodedPairs.from_text(self.src_lines, self.ref_lines, task.src_tok, task.tgt_tok)
-        self.batches = padded_batches(pairs, c.eval.batch_size)
+        limit = position_limit(self.exp.model_cfg)
+        self.batches = padded_batches(pairs, c.eval.batch_size, limit)
+        longest = np.maximum(pairs.src.lengths, pairs.tgt.lengths)
+        if limit and (cut := int((longest > limit).sum())):
+            logging.warning(
+                "%d of %d %s pairs have a side longer than the learned position table "
+                "(model.max_len=%d; the longest has %d tokens): the validation loss sees their "
+                "sources cut to %d tokens and EOS and scores their first %d target tokens",
+                cut,
+                len(pairs),
+                split,
+                limit,
+                int(longest.max()),
+                limit - 1,
+                limit,
+            )
         step = functools.partial(_eval_step, self.exp.eval_graphdef)
         self._eval_step = jax.jit(sharding.traced_on(self.exp.mesh, step))
         self.translator = task.translator()
