@@ -195,16 +195,23 @@ def numpy_encoder_decoder(model, src: np.ndarray, tgt_in: np.ndarray) -> np.ndar
 
 
 def numpy_language_model(model, tokens: np.ndarray, targets: np.ndarray, memory=None):
-    """NLL [B, L] of a decoder-only LM (eval mode, plain softmax: no adaptive cutoffs, d_embed =
-    d_model) and its new memory [layers, B, M, d]; `memory` holds fully valid earlier states,
-    or is None (no earlier segment)."""
+    """NLL [B, L] of a decoder-only LM (eval mode, causal or prefix_lm mask, plain softmax: no
+    adaptive cutoffs, d_embed = d_model) and its new memory [layers, B, M, d]; `memory` holds
+    fully valid earlier states, or is None (no earlier segment)."""
     from xformer.layout import Layout
 
     cfg, name = model.cfg, model.cfg.positional
     assert name in NUMPY_SCHEMES and not cfg.adaptive_cutoffs, name
     q_len, mem_len = tokens.shape[1], 0 if memory is None else memory.shape[2]
-    layout = Layout.with_memory(q_len, mem_len)
     mask = _causal(q_len, mem_len + q_len)[None, None]
+    prefix_lm = cfg.decoder_mask == "prefix_lm"  # (no memory) the prefix sees itself both ways
+    if prefix_lm:
+        in_prefix = np.arange(q_len) < cfg.prefix_length
+        mask = mask | (in_prefix[:, None] & in_prefix[None, :])
+    else:
+        assert cfg.decoder_mask == "causal", cfg.decoder_mask
+    # t5_bias buckets distances by sign where a query sees later keys; other schemes need no flag
+    layout = Layout.with_memory(q_len, mem_len, causal=not prefix_lm)
     x = _embedding(value(model.embed.tables[0]), tokens, cfg.d_model, name)
     inputs = []
     for i, layer in enumerate(model.layers):

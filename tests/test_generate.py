@@ -112,9 +112,23 @@ CASES = {
     ),
     "rope_with_memory_pre_ln": ({"positional": "rope", "layer_norm": "pre"}, 4, 5, 8, Sampling()),
     "t5_bias_with_memory": ({"positional": "t5_bias"}, 7, 3, 10, Sampling(temperature=0.5)),
+    "prefix_lm_relative": (
+        {"positional": "relative", "decoder_mask": "prefix_lm", "prefix_length": 4},
+        0,
+        0,
+        6,
+        Sampling(),
+    ),
+    "prefix_lm_t5_bias": (
+        {"positional": "t5_bias", "decoder_mask": "prefix_lm", "prefix_length": 5},
+        0,
+        0,
+        5,
+        Sampling(temperature=0.7),
+    ),
 }
 SLOW = {"vanilla_alibi", "vanilla_learned", "vanilla_sliding_window", "rope_with_memory_pre_ln"}
-SLOW |= {"t5_bias_with_memory"}
+SLOW |= {"t5_bias_with_memory", "prefix_lm_t5_bias"}
 
 
 @pytest.mark.parametrize(

@@ -180,6 +180,28 @@ def test_both_forms_of_the_xl_position_term_are_exact(setting, use_form):
             np.testing.assert_allclose(got, want, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_xl_decoding_steps_slice_the_position_terms_that_prepare_computes(causal):
+    """prepare_step's slice of the cached projections gives every step the bias `prepare` gives
+    it, for steps of 1 to S queries; without causality also at keys after the queries."""
+    rng = np.random.default_rng()
+    scheme = SCHEMES["relative"](
+        dataclasses.replace(CFG, positional="relative"), 2, rngs=nnx.Rngs(0)
+    )
+    mem_len, segment_length = 3, 5
+    cached = scheme.prepare_cached(Layout.with_memory(segment_length, mem_len, causal))
+    k_len = mem_len + segment_length
+    for offset, n in [(0, 5), (0, 1), (2, 3), (4, 1), (1, 2)]:
+        step = Layout(n, k_len, q_start=mem_len + offset, causal=causal)
+        q, k = (
+            jnp.asarray(rng.normal(size=(2, length, 2, 8)), jnp.float32) for length in (n, k_len)
+        )
+        got = scheme.logit_bias(scheme.prepare_step(cached, step), q, k, step, 1)
+        want = scheme.logit_bias(scheme.prepare(step), q, k, step, 1)
+        seen = np.asarray(step.distances() >= 0) if causal else np.ones((n, k_len), bool)
+        np.testing.assert_allclose(np.where(seen, got, 0), np.where(seen, want, 0), atol=1e-5)
+
+
 def test_rope_scores_depend_only_on_the_distance():
     rng = np.random.default_rng()
     scheme = SCHEMES["rope"](CFG, 1, rngs=nnx.Rngs(0))

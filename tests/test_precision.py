@@ -152,6 +152,27 @@ def test_float64_transformer_xl_matches_numpy_over_two_segments(positional):
             np.testing.assert_allclose(nll, expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("positional", ["relative", "t5_bias", "alibi", "rope"])
+def test_float64_prefix_lm_matches_numpy(positional):
+    """Prefix queries see later prefix keys: their position terms at negative distances."""
+    rng = np.random.default_rng()
+    with jax.enable_x64(True):
+        cfg = LMConfig(
+            **TINY_LM,
+            positional=positional,
+            decoder_mask="prefix_lm",
+            prefix_length=5,
+            dtype="float64",
+            param_dtype="float64",
+        )
+        model = LanguageModel(cfg, rngs=nnx.Rngs(fresh_seed()))
+        model.eval()
+        tokens = rng.integers(0, 29, size=(2, 9))
+        nll, _ = model(jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:]))
+        expected, _ = numpy_language_model(model, tokens[:, :-1], tokens[:, 1:])
+        np.testing.assert_allclose(nll, expected, atol=1e-12, rtol=0)
+
+
 # bfloat16 plumbing -----------------------------------------------------------------------------
 
 

@@ -57,6 +57,11 @@ class LanguageModel(nnx.Module):
             **cfg.dtypes,
         )
 
+    @property
+    def causal(self) -> bool:
+        """False where the mask lets a query see later keys (prefix_lm): see Layout.causal."""
+        return not masks.MASK_SCHEMES[self.cfg.decoder_mask].sees_later_keys
+
     def init_memory(self, batch_size: int, mem_len: int) -> Memory | None:
         """An empty memory of mem_len slots per layer (None when mem_len is 0)."""
         return empty_memory(self.cfg, batch_size, mem_len)
@@ -81,7 +86,7 @@ class LanguageModel(nnx.Module):
                 positions = jnp.broadcast_to(jnp.arange(q_len), tokens.shape)
             self.positional.check_length(q_len)
         x = self._embed(tokens, positions)
-        layout = Layout.with_memory(q_len, mem_len)
+        layout = Layout.with_memory(q_len, mem_len, self.causal)
         if memory is not None:
             filled_keys = masks.memory_key_valid(mem_len, q_len, memory["filled"])
             key_valid = filled_keys if key_valid is None else key_valid & filled_keys
@@ -166,7 +171,7 @@ class LanguageModel(nnx.Module):
             "inputs": None if memory is None else jnp.zeros(inputs_shape, cfg.dtype),
             "offset": jnp.zeros((), jnp.int32),
             "positional": self.positional.prepare_cached(
-                Layout.with_memory(segment_length, mem_len)
+                Layout.with_memory(segment_length, mem_len, self.causal)
             ),
         }
 
@@ -218,9 +223,9 @@ class LanguageModel(nnx.Module):
         key_valid = None
         if memory is not None:
             key_valid = masks.memory_key_valid(mem_len, segment_length, memory["filled"])
-        segment_mask = self._mask(Layout.with_memory(segment_length, mem_len), key_valid)
-        mask = jax.lax.dynamic_slice_in_dim(segment_mask, offset, n, axis=2)
-        step = Layout(n, mem_len + segment_length, q_start=mem_len + offset)
+        segment = Layout.with_memory(segment_length, mem_len, self.causal)
+        mask = jax.lax.dynamic_slice_in_dim(self._mask(segment, key_valid), offset, n, axis=2)
+        step = Layout(n, mem_len + segment_length, q_start=mem_len + offset, causal=self.causal)
         positional = BoundScheme.bind_step(self.positional, cache["positional"], step)
         kv, inputs = [], []
         for i, (layer, layer_kv) in enumerate(zip(self.layers, cache["kv"], strict=True)):

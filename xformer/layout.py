@@ -20,9 +20,9 @@ class Layout:
     causal: bool = True  # False: keys after a query matter (encoders)
 
     @classmethod
-    def with_memory(cls, q_len: int, mem_len: int) -> "Layout":
-        """A causal segment whose keys are [memory ; segment]: queries are the last q_len keys."""
-        return cls(q_len, mem_len + q_len, q_start=mem_len)
+    def with_memory(cls, q_len: int, mem_len: int, causal: bool = True) -> "Layout":
+        """A segment whose keys are [memory ; segment]: queries are the last q_len keys."""
+        return cls(q_len, mem_len + q_len, q_start=mem_len, causal=causal)
 
     def distances(self) -> jax.Array:
         """Query position minus key position, [Lq, Lk] int32."""

@@ -31,6 +31,9 @@ class MaskScheme:
     stacks: frozenset[str]
     size_key: str | None = None  # model key that must be > 0 exactly when the scheme is used
     memory: str = "optional"  # "optional", "required" or "forbidden": an XL memory
+    # in a decoder or LM: some query sees a key after it, so positional schemes must encode
+    # negative distances too (the stack's Layout has causal=False)
+    sees_later_keys: bool = False
 
     def unscored_targets(self, cfg: Any) -> int:
         """How many leading targets of a segment the loss skips (visible to the queries)."""
@@ -113,7 +116,14 @@ MASK_SCHEMES: dict[str, MaskScheme] = {
         MaskScheme(
             "sliding_window", sliding_window, frozenset({ENCODER, DECODER, LM}), "attention_window"
         ),
-        PrefixLM("prefix_lm", prefix_lm, frozenset({LM}), "prefix_length", memory="forbidden"),
+        PrefixLM(
+            "prefix_lm",
+            prefix_lm,
+            frozenset({LM}),
+            "prefix_length",
+            memory="forbidden",
+            sees_later_keys=True,
+        ),
         MaskScheme("same_length", same_length, frozenset({LM}), memory="required"),
     )
 }

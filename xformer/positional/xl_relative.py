@@ -61,11 +61,15 @@ def position_scores(qv: jax.Array, rk: jax.Array) -> jax.Array:
     return precision.wide_einsum("bqhd,bwhd->bhqw", qv, rk)
 
 
+def relative_width(layout: Layout) -> int:
+    """W, the distances `relative_shift` needs: Lk when no key after a query matters."""
+    return layout.k_len if layout.causal else layout.k_len + layout.q_len - 1
+
+
 def relative_distances(layout: Layout) -> jax.Array:
     """The distances that `relative_shift` expects, largest first: [W] int32."""
-    width = layout.k_len if layout.causal else layout.k_len + layout.q_len - 1
     largest = layout.q_start + layout.q_len - 1 - layout.k_start
-    return largest - jnp.arange(width, dtype=jnp.int32)
+    return largest - jnp.arange(relative_width(layout), dtype=jnp.int32)
 
 
 class ProjectedDistances(NamedTuple):
@@ -119,11 +123,12 @@ class XLRelativePositions(PositionalScheme):
         return ProjectedDistances(jnp.stack([self._project(r, i) for i in range(len(self.r_proj))]))
 
     def prepare_step(self, cached: ProjectedDistances, layout: Layout) -> ProjectedDistances:
-        """The Lk distances of the step's relative_shift, largest first: the cached table starts
+        """The W distances of the step's relative_shift, largest first: the cached table starts
         at the segment's largest distance, Lk - 1 - k_start, and the step's is
         q_start + Lq - 1 - k_start."""
         first = layout.k_len - layout.q_start - layout.q_len
-        return ProjectedDistances(jax.lax.dynamic_slice_in_dim(cached.rk, first, layout.k_len, 1))
+        width = relative_width(layout)
+        return ProjectedDistances(jax.lax.dynamic_slice_in_dim(cached.rk, first, width, 1))
 
     def logit_bias(self, r, q, k, layout, layer):
         """r: R [W, d] from `prepare`, or the projections of `prepare_step`."""
