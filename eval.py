@@ -64,6 +64,7 @@ import jax
 from absl import app, flags, logging
 
 from xformer import compare as compare_lib
+from xformer import config as config_lib
 from xformer import distributed_flags
 from xformer import experiment as experiment_lib
 from xformer.averaging import average_params, steps_to_average
@@ -109,7 +110,8 @@ _COMPARE = flags.DEFINE_string("compare", None, "Compare these workdirs (comma-s
 _COMPARE_OUT = flags.DEFINE_string("compare_out", None, "Where --compare writes its files.")
 
 TRANSLATION_FLAGS = {"reference": _REFERENCE, "output": _OUTPUT}
-INPUT_ERROR_STATUS = 2  # exit status when an input, reference or output file cannot be used
+INPUT_ERROR_STATUS = 2  # exit status when an input, reference or output file (or the
+# evaluation settings given to the workdir's config) cannot be used
 FILE_ERRORS = (ValueError, OSError, EOFError, zlib.error)
 LOG_EVERY_S = 10.0  # progress lines during evaluation
 OVERRIDES = {
@@ -157,6 +159,8 @@ def main(argv):
         for key, flag in OVERRIDES[family].items():
             if flag.value is not None:
                 config.eval[key] = flag.value
+    with input_errors(ValueError):  # the flags' settings, checked before any data is read
+        config_lib.validate(config)
     with input_errors(DataError):  # missing or bad data files, anywhere in the evaluation
         if family == "decoder_only":
             result = evaluate_language_model(config, workdir)

@@ -176,6 +176,11 @@ def test_missing_data_is_one_line_from_train_and_eval(tmp_path):
     message = f"{workdir / 'vocab' / 'ptb.vocab'} not found: train.py writes it"
     assert result.returncode == 2 and f"eval.py: error: {message}" in result.stderr
     assert "Traceback" not in result.stderr
+    # Evaluation settings the model cannot use: one line too, before the data is looked at.
+    result = run(["eval.py", f"--workdir={workdir}", "--mem_len=8", "--sliding_stride=4"])
+    message = "eval.sliding_stride needs a memoryless evaluation (eval.mem_len=0)"
+    assert result.returncode == 2 and f"eval.py: error: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_parallel_files_of_different_lengths(tmp_path):
@@ -260,6 +265,8 @@ def test_empty_lines_are_kept(tmp_path):
             r"rope' needs an even head size \(d_model / num_heads = 9\)",
         ),
         ({"model.positional": "rope", "model.clamp_len": 4}, r"clamp_len .* are for .*'relative'"),
+        ({"model.positional": "rope", "eval.clamp_len": 0}, r"eval.clamp_len=0 is for .*'relative'"),
+        ({"eval.clamp_len": -2}, r"eval.clamp_len must be >= 0, or -1"),
         ({"model.positional": "t5_bias", "model.relative_buckets": 2}, r"relative_buckets >= 4"),
         ({"model.positional": "alibi", "model.untie_relative_biases": True}, r"not 'alibi'"),
     ],

@@ -457,6 +457,13 @@ def _validate_language_model(config: ml_collections.ConfigDict, cfg) -> None:
     eval_length = e.segment_length or d.segment_length
     eval_mem_len = m.mem_len if e.mem_len < 0 else e.mem_len
     scheme = SCHEMES[m.positional]
+    if e.clamp_len < -1:
+        raise ValueError(f"eval.clamp_len must be >= 0, or -1 (as trained); got {e.clamp_len}")
+    if e.clamp_len >= 0 and "clamp_len" not in scheme.own_options:
+        raise ValueError(
+            f"eval.clamp_len={e.clamp_len} is for model.positional='relative', not "
+            f"{m.positional!r} (it clamps Transformer-XL's relative distances)"
+        )
     scheme.check_memory(m.mem_len, "model.mem_len")
     scheme.check_memory(eval_mem_len, "eval.mem_len")
     if m.positional == "learned" and max(d.segment_length, eval_length) > m.max_len:
