@@ -40,7 +40,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from xformer import distributed_flags, preemption, train_lib
+from xformer import distributed_flags, launch, preemption, train_lib
 from xformer import experiment as experiment_lib
 from xformer import sweep as sweep_lib
 from xformer.checkpoint import CheckpointWriteError
@@ -86,6 +86,9 @@ def main(argv):
                 sweep_lib.list_points(sweep, _WORKDIR.value)
                 return
             sweep_lib.run(sweep, _WORKDIR.value, dry_run=_DRY_RUN.value, point=_POINT.value)
+        except launch.StoppedError as e:  # by a signal, after the running point checkpointed
+            print(f"sweep {_SWEEP.value}: {e}", file=sys.stderr)
+            sys.exit(preemption.EXIT_STOPPED)
         except (ValueError, RuntimeError, OSError) as e:  # a bad point or a failed run
             sys.exit(f"sweep {_SWEEP.value}: {e}")
         return

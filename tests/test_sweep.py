@@ -8,9 +8,11 @@ import io
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -21,6 +23,7 @@ from flax import nnx
 from xformer import experiment as experiment_lib
 from xformer import sweep
 from xformer.config import lm_base_config
+from xformer.preemption import EXIT_STOPPED
 from xformer.tasks import make_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -472,6 +475,53 @@ def test_a_point_locked_by_another_job_is_skipped_until_that_job_dies(tmp_path, 
     launched.clear()
     assert sweep.run(s, root, echo=lambda _: None, point=0) == {NAMES[0]: ["train", "eval"]}
     assert len(launched) == 2 and launched[0][-1] == f"--workdir={root}/{NAMES[0]}"
+
+
+def stop_sweep_at_step(path: Path, root: Path, step: int, kill) -> tuple[int, str]:
+    """Run the sweep until its train.py stalls after `step` (xformer/faults.py), call
+    kill(sweep process), and return the sweep's exit status and stderr."""
+    marker = root.parent / f"stalled-{step}"
+    env = {**os.environ, "XFORMER_DATA_DIR": str(SHARED), "XFORMER_FAULT": f"step:{step}:{marker}"}
+    cmd = [sys.executable, "train.py", f"--sweep={path}", f"--workdir={root}"]
+    with open(root.parent / f"log-{step}", "w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=log, start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            while not marker.exists():
+                assert proc.poll() is None and time.time() < deadline, "never stalled"
+                time.sleep(0.05)
+            kill(proc)
+            status = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.seek(0)
+        return status, log.read()
+
+
+@pytest.mark.slow  # ~40 s: two stopped train.py runs
+def test_a_signal_stops_the_sweep_after_its_train_py_checkpoints(tmp_path, tfds_dir):
+    """Ctrl-C (SIGINT to the whole process group: train.py gets it directly and forwarded) or
+    SIGTERM to the sweep alone: train.py checkpoints, the sweep exits 75, no point starts."""
+    if not (SHARED / "ptb").exists():
+        pytest.skip(f"real data not found at {SHARED / 'ptb'}")
+    path, root = write_sweep(tmp_path, tfds_dir), tmp_path / "root"
+    base = tmp_path / "tiny.py"
+    base.write_text(base.read_text().replace("num_steps = 3", "num_steps = 8"))
+    first = root / NAMES[0]
+
+    status, log = stop_sweep_at_step(path, root, 2, lambda p: os.killpg(p.pid, signal.SIGINT))
+    assert status == EXIT_STOPPED, log[-3000:]
+    assert "stopped by SIGINT at step 2" in log and f"stopped at point {NAMES[0]!r}" in log
+    assert [p.name for p in (first / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
+    assert not (root / NAMES[1]).exists()
+
+    status, log = stop_sweep_at_step(path, root, 5, lambda p: p.send_signal(signal.SIGTERM))
+    assert status == EXIT_STOPPED, log[-3000:]
+    assert "resumed from step 2" in log and "stopped by SIGTERM at step 5" in log
+    assert "5" in {p.name for p in (first / "checkpoints").iterdir()}
+    assert not (root / NAMES[1]).exists()
+    assert sweep.locks.holder(sweep.lock_path(str(root), NAMES[0])) is None
 
 
 def test_list_prints_each_points_status(tmp_path):

@@ -1,15 +1,29 @@
 """Run python scripts (train.py, eval.py) as subprocesses of this interpreter, each echoed first
-as the command line a user would type ("python train.py ...")."""
+as the command line a user would type ("python train.py ...").
+
+SIGINT and SIGTERM sent to this process while a command runs are forwarded to it, and this
+process waits for it to exit (train.py finishes its step and checkpoints): it is never killed.
+A Ctrl-C or a scheduler that signals every process of a job thus reaches the command twice
+within milliseconds, which train.py takes as one request (xformer/preemption.py).
+"""
 
 import contextlib
 import json
 import shlex
+import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from xformer.files import write_json
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StoppedError(Exception):
+    """A command exited after a signal was forwarded to it: whatever runs it should stop too."""
 
 
 def print_now(line: str) -> None:
@@ -27,17 +41,18 @@ def run(
 ) -> subprocess.CompletedProcess:
     """Run `cmd` ("python script.py ...") with sys.executable. Its output goes to the file `log`
     when given (stdout to the result instead, with capture); with check, a failure raises
-    RuntimeError."""
+    RuntimeError. StoppedError when a signal was forwarded to it (see the module docstring)."""
     echo(shlex.join(cmd))
+    args = [sys.executable, *cmd[1:]]
     with open(log, "w") if log else contextlib.nullcontext() as f:
-        result = subprocess.run(
-            [sys.executable, *cmd[1:]],
-            cwd=cwd,
-            stdout=subprocess.PIPE if capture else f,
-            stderr=f,
-            text=True,
-            check=False,
-        )
+        stdout = subprocess.PIPE if capture else f
+        child = subprocess.Popen(args, cwd=cwd, stdout=stdout, stderr=f, text=True)
+        with _forwarding_signals(child) as forwarded:
+            out, _ = child.communicate()
+    result = subprocess.CompletedProcess(args, child.returncode, out)
+    if forwarded:
+        got = "+".join(forwarded)
+        raise StoppedError(f"{shlex.join(cmd)} got {got}, exited with {child.returncode}")
     if check and result.returncode:
         see = f"; see {log}" if log else ""
         raise RuntimeError(f"{shlex.join(cmd)} exited with {result.returncode}{see}")
@@ -51,3 +66,24 @@ def run_json(cmd: Sequence[str], *, save: str | None = None, **kwargs) -> Any:
     if save:
         write_json(save, result)
     return result
+
+
+@contextlib.contextmanager
+def _forwarding_signals(child: subprocess.Popen) -> Iterator[list[str]]:
+    """Forward FORWARDED_SIGNALS to `child`, listing their names (main thread only: Python
+    handles signals there)."""
+    forwarded: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield forwarded
+        return
+
+    def forward(signum: int, frame) -> None:
+        forwarded.append(signal.Signals(signum).name)
+        child.send_signal(signum)  # nothing once the child has been reaped
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    try:
+        yield forwarded
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -3,17 +3,22 @@
 Schedulers preempt with SIGTERM and a grace period; a user presses Ctrl-C. The first signal
 asks the train loop to stop after its current step (it saves a checkpoint, data position and
 XL memory included, and flushes metrics; re-running the same command resumes); a second one
-exits at once, as the signal's default action would.
+exits at once, as the signal's default action would. The same signal again within
+SAME_REQUEST_S is the first one delivered twice (a Ctrl-C reaches every process of the
+terminal's process group, a scheduler may signal every process of a job, and a sweep forwards
+what it gets to its train.py), so it does not count as the second.
 """
 
 import os
 import signal
 import threading
+import time
 
 from absl import logging
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after checkpointing; re-run to resume
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SAME_REQUEST_S = 1.0
 
 
 class StopOnSignal:
@@ -22,6 +27,7 @@ class StopOnSignal:
 
     def __init__(self):
         self.signal_name: str | None = None
+        self._first_at = 0.0  # time.monotonic() of the first signal
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -37,11 +43,14 @@ class StopOnSignal:
         return self.signal_name is not None
 
     def _handle(self, signum: int, frame) -> None:
-        if self.requested():  # the second signal: its default action, now
-            signal.signal(signum, signal.SIG_DFL)
+        name = signal.Signals(signum).name
+        if self.requested():
+            if name == self.signal_name and time.monotonic() - self._first_at < SAME_REQUEST_S:
+                return  # the first signal, delivered twice
+            signal.signal(signum, signal.SIG_DFL)  # the second signal: its default action, now
             os.kill(os.getpid(), signum)
             return
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name, self._first_at = name, time.monotonic()
         logging.warning(
             "%s: stopping after this step with a checkpoint (send it again to exit at once)",
             self.signal_name,

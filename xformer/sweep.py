@@ -60,6 +60,7 @@ from xformer.config import (
 from xformer.experiment import CONFIG_FILE
 from xformer.files import read_json_if_present
 from xformer.metric_writer import write_hparams_summary
+from xformer.preemption import EXIT_STOPPED
 from xformer.train_lib import DONE_FILE
 
 REPO = Path(__file__).resolve().parents[1]  # train.py, eval.py and configs/ live here
@@ -362,7 +363,8 @@ def run(
     run): [], ["eval"] or ["train", "eval"]}; a point that another job holds (its lock file) is
     skipped and left out. A dry run prints every point's exact command lines and runs nothing.
     A failing command stops its point; the other points still run, and RuntimeError names the
-    failures at the end.
+    failures at the end. A signal (SIGINT, SIGTERM) waits for the running command, which
+    checkpoints, and stops the sweep: launch.StoppedError, after which nothing else starts.
     """
     echo = echo or launch.print_now
     names = select(sweep, point)
@@ -397,7 +399,15 @@ def run(
                 f"{label}: {({0: 'finished: skip', 1: 'trained: eval', 2: 'run'})[len(todo[name])]}"
             )
             for cmd in (train, evaluate)[2 - len(todo[name]) :]:
-                returncode = launch.run(cmd, echo=echo).returncode
+                try:
+                    returncode = launch.run(cmd, echo=echo).returncode
+                    if returncode == EXIT_STOPPED:  # signalled directly, not through the sweep
+                        raise launch.StoppedError(f"{shlex.join(cmd)} exited with {returncode}")
+                except launch.StoppedError as e:
+                    earlier = f" ({len(failed)} failed before it: {failed})" if failed else ""
+                    raise launch.StoppedError(
+                        f"stopped at point {name!r}{earlier}: {e}; the same command resumes"
+                    ) from None
                 if returncode:
                     failed.append(f"{name} ({Path(cmd[1]).name} exited with {returncode})")
                     break
