@@ -612,3 +612,20 @@ def test_a_finished_point_gets_an_hparams_session(tmp_path):
     assert {m.name.tag for m in experiment.metric_infos} == {"test/perplexity", "train/final_loss"}
     assert values["test/perplexity"].simple_value == 123.5
     assert values["train/final_loss"].simple_value == 4.25
+
+    # Trained further (a larger train.num_steps) and evaluated again: the entry is rewritten
+    # when the sweep ran the point (refresh), not when it only found it finished.
+    config.train.num_steps = 6
+    (workdir / "config.json").write_text(config.to_json())
+    (workdir / "done.json").write_text(json.dumps({**done, "step": 6, "metrics": {"loss": 3.5}}))
+    (workdir / "eval_test.json").write_text(json.dumps({**result, "step": 6, "perplexity": 99.0}))
+    for refresh, want in ((False, 123.5), (True, 99.0)):
+        sweep.write_hparams(str(workdir), point, refresh=refresh)
+        values = {
+            v.tag: v
+            for e in read_events(workdir / "tensorboard" / "hparams")
+            for v in e.summary.value
+        }
+        assert values["test/perplexity"].simple_value == want
+    assert values["train/final_loss"].simple_value == 3.5
+    assert len(list((workdir / "tensorboard" / "hparams").iterdir())) == 1

@@ -38,6 +38,7 @@ import itertools
 import os
 import re
 import shlex
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -333,12 +334,15 @@ def list_points(sweep: Sweep, root: str, echo: Callable[[str], None] | None = No
     return lines
 
 
-def write_hparams(workdir: str, point: Point) -> None:
+def write_hparams(workdir: str, point: Point, refresh: bool = False) -> None:
     """The finished point's entry in TensorBoard's HParams dashboard (its overrides and final
-    metrics) under <workdir>/tensorboard/hparams, once."""
+    metrics) under <workdir>/tensorboard/hparams: written once, and rewritten with `refresh`
+    (after the point trained or was evaluated again, e.g. with a larger train.num_steps)."""
     logdir = os.path.join(workdir, "tensorboard", "hparams")
     if os.path.isdir(logdir):
-        return
+        if not refresh:
+            return
+        shutil.rmtree(logdir)
     run = compare_lib.Run.load(workdir)
     metrics = {}
     for m in run.metrics():
@@ -413,7 +417,7 @@ def run(
                     break
             else:
                 if not remaining(sweep.workdir(root, name), configs[name]):
-                    write_hparams(sweep.workdir(root, name), sweep.points[i])
+                    write_hparams(sweep.workdir(root, name), sweep.points[i], bool(todo[name]))
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(names)} sweep points failed: {failed}")
     return todo
