@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from xformer import compare
+from xformer import config as config_lib
 from xformer.config import base_config, lm_base_config
 
 
@@ -122,7 +123,7 @@ def test_language_model_best_is_the_lowest_and_time_is_the_last_logged(tmp_path)
     rows += [train_row(220, 24.0), valid(220, 24.0, 260.0)]  # stopped at max_train_seconds
     rows += [train_row(250, 27.0)]  # resumed from the step-220 checkpoint
     run = make_run(
-        tmp_path / "xl", c, rows, test={"step": 220, "metric": "perplexity", "perplexity": 255.0}
+        tmp_path / "xl", c, rows, test={"step": 250, "metric": "perplexity", "perplexity": 255.0}
     )
     other = lm_base_config("ptb")
     other.model.mem_len = 10
@@ -242,3 +243,117 @@ def test_mfu_column_where_a_run_logged_it(tmp_path):
     assert float(table[0]["median_mfu"]) == 0.29 and table[1]["median_mfu"] == ""
     assert "| 29.0% |" in compare.to_markdown(result)
     assert "median_mfu" not in compare.compare([b]).columns
+
+
+def test_an_eval_of_an_earlier_step_is_not_the_runs_result(tmp_path):
+    """An eval_<test split>.json of a step before the run's last (the run trained on after
+    eval.py ran) leaves the test cells empty, with a note; one of the final step is shown."""
+    stale_bleu, final_bleu = np.random.default_rng().uniform(10, 40, 2)
+    rows = [train_row(100, 10.0), val_row(100, 10.0, bleu=5.0, lc_tok_bleu=5.0)]
+    rows += [train_row(200, 20.0), val_row(200, 20.0, bleu=6.0, lc_tok_bleu=6.0)]
+    workdirs = [
+        make_run(
+            tmp_path / name,
+            translation_config(),
+            rows,
+            test={"step": step, "sacrebleu": bleu, "lc_tok_bleu": bleu + 1},
+            done_step=done_step,
+        )
+        for name, step, bleu, done_step in (
+            ("stale", 100, stale_bleu, 200),
+            ("final", 200, final_bleu, None),  # its last step from metrics.jsonl
+        )
+    ]
+    result = compare.compare(workdirs)
+    table = list(csv.DictReader(io.StringIO(compare.to_csv(result))))
+    assert table[0]["test_2016_flickr_bleu"] == table[0]["test_2016_flickr_lc_tok_bleu"] == ""
+    assert float(table[1]["test_2016_flickr_bleu"]) == final_bleu
+    assert float(table[1]["test_2016_flickr_lc_tok_bleu"]) == final_bleu + 1
+    note = (
+        "stale: eval_test_2016_flickr.json is of step 100, the run reached step 200: rerun "
+        "eval.py (its test cells are left empty)"
+    )
+    assert result.notes == [note]
+    assert f"**Note.** {note}" in compare.to_markdown(result)
+
+
+def test_a_shell_expanded_glob_skips_what_is_not_a_workdir(tmp_path):
+    """`eval.py --compare dir/*` again, after compare wrote compare.md, .csv and .png into dir:
+    among several arguments, existing paths that are not workdirs are skipped. A path named
+    alone or in a comma list, or one that does not exist, must be a workdir."""
+    runs = [
+        make_run(
+            tmp_path / f"lr{i}",
+            translation_config(learning_rate=lr),
+            [train_row(50, 5.0), val_row(50, 5.0, bleu=lr, lc_tok_bleu=lr)],
+        )
+        for i, lr in enumerate(np.random.default_rng().uniform(1e-4, 1e-3, 2))
+    ]
+    compare.write(compare.compare(runs), str(tmp_path))
+    (tmp_path / "logs").mkdir()
+    argv = sorted(str(p) for p in tmp_path.iterdir())  # as the shell expands dir/*
+    assert argv[0] == str(tmp_path / "compare.csv")
+    assert compare.expand(argv) == runs
+    assert compare.compare(compare.expand(argv)).names == ["lr0", "lr1"]
+    named = str(tmp_path / "compare.md")
+    for args in ([named], [f"{runs[0]},{named}"], [*runs, str(tmp_path / "nope")]):
+        with pytest.raises(FileNotFoundError, match="a train.py workdir"):
+            compare.compare(compare.expand(args))
+    with pytest.raises(FileNotFoundError, match="no train.py workdir among"):
+        compare.expand([named, str(tmp_path / "logs")])
+
+
+def test_an_older_config_gets_todays_defaults(tmp_path):
+    """A config.json written before some keys existed compares as if it held their defaults:
+    no differing column for them, one seed group, and its test split known."""
+    values = np.random.default_rng().uniform(10, 40, 2)
+    workdirs = []
+    for seed, value in enumerate(values):
+        rows = [train_row(50, 5.0), val_row(50, 5.0, bleu=value, lc_tok_bleu=value)]
+        test = {"step": 50, "sacrebleu": value, "lc_tok_bleu": value}
+        c = translation_config(seed=seed)
+        workdirs.append(make_run(tmp_path / f"s{seed}", c, rows, test=test))
+    path = Path(workdirs[0]) / "config.json"
+    stored = json.loads(path.read_text())
+    del stored["data"]["test_split"], stored["train"]["peak_tflops"]
+    path.write_text(json.dumps(stored))
+    result = compare.compare(workdirs)
+    assert result.differing == ["train.seed"]
+    [group] = compare.seed_groups(result)
+    mean, std, n = group.stats["test_2016_flickr_bleu"]
+    assert n == 2 and mean == pytest.approx(np.mean(values))
+    assert std == pytest.approx(np.std(values, ddof=1))
+
+
+def test_an_older_language_model_config_gets_the_language_model_defaults():
+    stored = json.loads(lm_base_config("ptb").to_json())
+    del stored["data"]["test_split"], stored["data"]["eval_split"]
+    config, added = config_lib.with_defaults(stored)
+    assert sorted(added) == ["data.eval_split", "data.test_split"]
+    assert (config.data.eval_split, config.data.test_split) == ("valid", "test")
+
+
+def test_rows_a_resumed_run_logged_again_are_the_resumed_runs(tmp_path):
+    """A run that crashed at step 130 after its step-100 checkpoint and was resumed logs steps
+    110 and 120 again: the last row written of each step and kind counts, in step order."""
+    rng = np.random.default_rng()
+    first, lost, resumed = rng.uniform(10, 20), rng.uniform(30, 40, 2), rng.uniform(10, 20, 3)
+    speeds, lost_speeds = rng.uniform(100, 200, 4), rng.uniform(1e4, 2e4, 2)
+    rows = [train_row(100, 10.0, speeds[0]), val_row(100, 10.0, bleu=first, lc_tok_bleu=first)]
+    for step, bleu, speed in zip((110, 120), lost, lost_speeds, strict=True):  # lost in the crash
+        rows += [train_row(step, step / 10, speed), val_row(step, step / 10, bleu=bleu)]
+    for step, bleu, speed in zip((110, 120, 130), resumed, speeds[1:], strict=True):
+        seconds = step / 10 + 0.5
+        rows += [train_row(step, seconds, speed), val_row(step, seconds, bleu=bleu)]
+    workdir = make_run(tmp_path / "resumed", translation_config(), rows)
+    run = compare.Run.load(workdir)
+    expected = [(100, 10.0, first)] + [
+        (step, step / 10 + 0.5, bleu) for step, bleu in zip((110, 120, 130), resumed, strict=True)
+    ]
+    assert run.curve(compare.BLEU[0]) == expected
+    assert [r["step"] for r in run.rows] == [100, 100, 110, 110, 120, 120, 130, 130]
+    result = compare.compare([workdir])
+    row = dict(zip(result.columns, result.rows[0], strict=True))
+    assert row["best_val_bleu"] == max(first, *resumed)
+    assert row["median_tokens_per_s"] == pytest.approx(np.median(speeds))
+    assert row["steps"] == 130 and row["train_seconds"] == 13.5

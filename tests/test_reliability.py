@@ -325,6 +325,20 @@ def test_a_workdir_resumes_only_its_own_run(tmp_path, tfds_dir, multi30k_dir):
     assert "a workdir with checkpoints needs the one it was trained with" in missing.stderr
 
 
+def test_more_steps_resume_except_under_a_cosine_schedule():
+    """num_steps sets where the cosine decay ends: changing it would change the rates of the
+    steps already planned, so a resume refuses it (under rsqrt or constant it only extends)."""
+    for schedule, refused in (("rsqrt", False), ("constant", False), ("cosine", True)):
+        old = config_lib.lm_base_config("ptb")
+        old.train.schedule = schedule
+        new = old.copy_and_resolve_references()
+        new.train.num_steps, new.train.eval_every = old.train.num_steps * 2, 7
+        changes = config_lib.unresumable_changes(old, new)
+        assert changes == (
+            {"train.num_steps": (old.train.num_steps, new.train.num_steps)} if refused else {}
+        )
+
+
 def test_unwritable_workdir_is_refused(tmp_path):
     config = config_lib.base_config()
     blocker = tmp_path / "a_file"

@@ -4,7 +4,12 @@ A row holds the run's name (its workdir's base name), the config values that dif
 runs (config.json flattened to dotted keys), the commit(s) that trained each run and the
 parameter count (run_info.json; a note under the table when the commits differ), the final step,
 the training wall time, the median training tokens/s, the best validation value of the family's
-metric and its step, and the test value from eval.py's eval_<config.data.test_split>.json.
+metric and its step, and the test value from eval.py's eval_<config.data.test_split>.json when
+it is of the final step (else a note under the table says to rerun eval.py).
+
+An older config.json gets today's defaults for the keys it lacks (config.with_defaults). Of the
+rows that a resumed run logged again (for steps after its checkpoint that a crash lost), the
+last written count.
 
 Metrics: BLEU for translation (sacreBLEU, and the lowercased tokenized BLEU of Multi30k papers;
 higher is better), perplexity for word-level and bits per character for character-level
@@ -27,7 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from xformer.config import flatten
-from xformer.files import read_json, read_json_if_present, read_jsonl
+from xformer.experiment import CONFIG_FILE, load_config
+from xformer.files import read_json_if_present, read_jsonl
 from xformer.timing import format_duration
 from xformer.train_lib import DONE_FILE, RUN_INFO_FILE
 
@@ -61,11 +67,8 @@ class Run:
 
     @classmethod
     def load(cls, workdir: str) -> "Run":
-        path = os.path.join(workdir, "config.json")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} not found: is {workdir!r} a train.py workdir?")
-        config = flatten(read_json(path))
-        rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+        config = flatten(load_config(workdir))
+        rows = last_written(read_jsonl(os.path.join(workdir, "metrics.jsonl")))
 
         def optional(name):
             return read_json_if_present(os.path.join(workdir, name))
@@ -95,6 +98,17 @@ class Run:
             return int(self.done["step"])
         return max((int(r["step"]) for r in self.rows), default=None)
 
+    def stale_test(self) -> str | None:
+        """Why eval_<test split>.json is not the run's result: it is of an earlier step than the
+        run's last (the run trained on after eval.py ran); None when it is, or is absent."""
+        final = self.steps()
+        if self.test is None or final is None or self.test.get("step", final) >= final:
+            return None
+        return (
+            f"eval_{self.config['data.test_split']}.json is of step {self.test['step']}, the run "
+            f"reached step {final}: rerun eval.py (its test cells are left empty)"
+        )
+
     def train_median(self, name: str) -> float | None:
         """The median of train/<name> over the train rows (None: never logged)."""
         values = [r[f"train/{name}"] for r in self.train_rows if f"train/{name}" in r]
@@ -123,6 +137,21 @@ class Run:
         return times[-1] if times else None
 
 
+def last_written(rows: Sequence[dict]) -> list[dict]:
+    """metrics.jsonl's rows, of each step and kind (the metric names' prefixes: "train", the
+    eval split) the last written, in step order. A run resumed from a checkpoint logs the steps
+    after it again, and metric_writer.py appends."""
+    last = {}
+    for row in rows:
+        kind = sorted({k.split("/")[0] for k in row if "/" in k and k != TRAIN_SECONDS})
+        last[(row["step"], *kind)] = row
+    return sorted(last.values(), key=lambda r: r["step"])
+
+
+def _is_workdir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
 def _split(item: str) -> list[str]:
     """Split at commas, except inside an existing path (sweep point names hold commas)."""
     pieces, out, i = item.split(","), [], 0
@@ -138,18 +167,23 @@ def _split(item: str) -> list[str]:
 
 def expand(patterns: Sequence[str]) -> list[str]:
     """Workdirs from paths, comma-separated lists and glob patterns. A pattern keeps only the
-    directories with a config.json; a plain path must be a workdir. Order kept, no repeats."""
+    directories with a config.json; a plain path must be a workdir, except among several
+    arguments (a glob the shell expanded, `--compare dir/*`), which skip existing paths that are
+    not workdirs (e.g. the compare.md written there before). Order kept, no repeats."""
     workdirs: list[str] = []
     for item in patterns:
         for pattern in _split(item):
             if glob.has_magic(pattern):
-                found = sorted(glob.glob(pattern))
-                found = [p for p in found if os.path.exists(os.path.join(p, "config.json"))]
+                found = [p for p in sorted(glob.glob(pattern)) if _is_workdir(p)]
                 if not found:
                     raise FileNotFoundError(f"no train.py workdir matches {pattern!r}")
+            elif len(patterns) > 1 and os.path.exists(pattern) and not _is_workdir(pattern):
+                found = []
             else:
                 found = [pattern]
             workdirs += [os.path.normpath(p) for p in found if os.path.normpath(p) not in workdirs]
+    if patterns and not workdirs:
+        raise FileNotFoundError(f"no train.py workdir among {', '.join(patterns)}")
     return workdirs
 
 
@@ -230,8 +264,12 @@ def compare(workdirs: Sequence[str]) -> Comparison:
     metric_columns = {}
     for m in metrics:
         metric_columns[f"best_{val}_{m.name}"] = metric_columns[f"{test}_{m.name}"] = m
-    rows = []
+    rows, notes = [], commit_notes(runs, names)
     for name, run, run_mfu in zip(names, runs, mfu, strict=True):
+        stale = run.stale_test()
+        if stale:
+            notes.append(f"{name}: {stale}")
+        test_result = None if stale else run.test
         row = [
             name,
             *(run.config.get(k) for k in differing),
@@ -249,10 +287,9 @@ def compare(workdirs: Sequence[str]) -> Comparison:
             row += [
                 best[2] if best else None,
                 best[0] if best else None,
-                run.test.get(m.eval_key) if run.test else None,
+                test_result.get(m.eval_key) if test_result else None,
             ]
         rows.append(row)
-    notes = commit_notes(runs, names)
     return Comparison(runs, names, differing, metrics, columns, rows, notes, metric_columns)
 
 

@@ -178,13 +178,15 @@ def with_variant(
 
 def with_defaults(stored: Mapping[str, Any]) -> tuple[ml_collections.ConfigDict, list[str]]:
     """A workdir's stored config (config.json, perhaps written by an older xformer) with every
-    key of base_config() that it lacks set to its default, and the dotted keys so added. Keys
-    are added with defaults that keep the earlier behaviour, so an older run resumes, evaluates
-    and compares as the run it was."""
+    key of base_config() (lm_base_config() for a language model) that it lacks set to its
+    default, and the dotted keys so added. Keys are added with defaults that keep the earlier
+    behaviour, so an older run resumes, evaluates and compares as the run it was."""
     config = ml_collections.ConfigDict(stored)
     present = flatten(config)
-    added = [key for key in flatten(base_config()) if key not in present]
-    defaults = base_config()
+    dataset = present.get("data.dataset")
+    lm = present.get("model.family") == "decoder_only" and dataset in LM_CORPORA
+    defaults = lm_base_config(dataset) if lm else base_config()  # e.g. data.test_split
+    added = [key for key in flatten(defaults) if key not in present]
     for key in added:
         node, parts = config, key.split(".")
         default = defaults
@@ -327,11 +329,14 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, 
 
 def unresumable_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
     """The changes (config_changes) outside RESUMABLE: they change the model, the data or the
-    optimisation, so the checkpoint would continue a different run."""
+    optimisation, so the checkpoint would continue a different run. train.num_steps is one of
+    them under the cosine schedule, whose decay it sets."""
+    cosine = flatten(new).get("train.schedule") == "cosine"
     return {
         key: change
         for key, change in config_changes(old, new).items()
         if not any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
+        or (key == "train.num_steps" and cosine)
     }
 
 
