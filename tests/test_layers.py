@@ -8,7 +8,7 @@ import pytest
 
 from xformer.dropout import Dropout
 from xformer.losses import cross_entropy
-from xformer.optim import learning_rate_schedule
+from xformer.optim import learning_rate_schedule, make_optimizer
 from xformer.positional.absolute import sinusoidal_encoding
 
 
@@ -55,6 +55,26 @@ def test_dropout_rate_scale_and_independence():
     assert abs(np.corrcoef((a[:, :-1] == 0).ravel(), (a[:, 1:] == 0).ravel())[0, 1]) < 0.01
     drop.deterministic = True
     np.testing.assert_array_equal(drop(x), x)
+
+
+@pytest.mark.parametrize("schedule", ["rsqrt", "cosine", "constant"])
+def test_update_n_applies_the_rate_logged_at_step_n(schedule):
+    """Adam on a constant gradient moves each parameter by exactly the rate (m and v are bias
+    corrected): update n must use learning_rate_schedule(n), the rate logged at step n."""
+    t = ml_collections.ConfigDict(
+        dict(learning_rate=0.01, warmup_steps=3, schedule=schedule, num_steps=8, b1=0.9, b2=0.98)
+    )
+    t.update(eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+    optimizer, lr = make_optimizer(t), learning_rate_schedule(t)
+    grad = jnp.asarray(np.random.default_rng().normal(size=5), jnp.float32)
+    params = jnp.zeros(5)
+    state = optimizer.init(params)
+    for step in range(1, t.num_steps + 1):
+        updates, state = optimizer.update(grad, state, params)
+        rate = float(lr(jnp.asarray(step)))
+        assert rate > 0, (step, rate)  # no update wasted at a zero rate, first or last
+        np.testing.assert_allclose(-updates / jnp.sign(grad), rate, rtol=1e-5, err_msg=str(step))
+    assert float(lr(jnp.asarray(t.warmup_steps))) == pytest.approx(0.01)  # the peak
 
 
 def test_rsqrt_schedule_is_the_papers():

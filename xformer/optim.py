@@ -6,9 +6,11 @@ import optax
 
 
 def learning_rate_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
-    """rsqrt: the paper's lr = peak * min(step / warmup, sqrt(warmup / step)), peaking at the end
-    of warm-up; cosine: linear warm-up then cosine decay to 0 at num_steps; constant: warm-up
-    then flat.
+    """The rate of training step `step` (1 = the first update), as logged at that step.
+
+    rsqrt: the paper's lr = peak * min(step / warmup, sqrt(warmup / step)), peaking at the end
+    of warm-up; cosine: linear warm-up to the peak at step warmup, then cosine decay towards 0,
+    which it would reach one step after num_steps; constant: warm-up then flat.
     """
     peak, warmup = t.learning_rate, max(t.warmup_steps, 1)
     if t.schedule == "rsqrt":
@@ -19,7 +21,8 @@ def learning_rate_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
 
         return rsqrt
     if t.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(t.num_steps, warmup + 1))
+        end = max(t.num_steps, warmup) + 1  # the last step still learns
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, end)
     return optax.join_schedules(
         [optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak)], [warmup]
     )
@@ -27,7 +30,11 @@ def learning_rate_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
 
 def make_optimizer(t: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """Adam(b1, b2=0.98, eps=1e-9) as in the paper; AdamW when weight_decay > 0; optional clip."""
-    schedule = learning_rate_schedule(t)
+    step_rate = learning_rate_schedule(t)
+
+    def schedule(count):  # optax counts the updates already applied: update count + 1 is next
+        return step_rate(count + 1)
+
     if t.weight_decay:
         opt = optax.adamw(schedule, t.b1, t.b2, t.eps, weight_decay=t.weight_decay)
     else:
