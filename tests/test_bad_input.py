@@ -267,6 +267,7 @@ def test_empty_lines_are_kept(tmp_path):
         ({"model.positional": "rope", "model.clamp_len": 4}, r"clamp_len .* are for .*'relative'"),
         ({"model.positional": "rope", "eval.clamp_len": 0}, r"eval.clamp_len=0 is for .*'rel"),
         ({"eval.clamp_len": -2}, r"eval.clamp_len must be >= 0, or -1"),
+        ({"train.label_smoothing": 0.1}, r"label_smoothing=0.1 is for translation"),
         ({"model.positional": "t5_bias", "model.relative_buckets": 2}, r"relative_buckets >= 4"),
         ({"model.positional": "alibi", "model.untie_relative_biases": True}, r"not 'alibi'"),
     ],

@@ -181,6 +181,24 @@ def check_nonfinite_step_is_skipped(family: str, workdir: str) -> None:
         assert sum(jax.tree.leaves(changed)) > len(jax.tree.leaves(changed)) / 2
 
 
+def test_a_skipped_step_leaves_the_intervals_losses_to_the_others():
+    rng = np.random.default_rng()
+    steps = []
+    for _ in range(4):
+        tokens = float(rng.integers(10, 50))
+        nll, grad_norm = tokens * rng.uniform(2, 6), rng.uniform(0.5, 2)
+        sums = {"loss_sum": nll * 1.1, "nll_sum": nll, "tokens": tokens, "grad_norm": grad_norm}
+        steps.append({**sums, "nonfinite": 0.0})
+    skipped = {"loss_sum": np.nan, "nll_sum": np.nan, "tokens": 30.0, "grad_norm": np.inf}
+    pending = [steps[0], steps[1], {**skipped, "nonfinite": 1.0}, steps[2], steps[3]]
+    got = train_lib.interval_losses([{k: jnp.asarray(v) for k, v in m.items()} for m in pending])
+    nll = sum(m["nll_sum"] for m in steps) / sum(m["tokens"] for m in steps)
+    assert got["nll"] == pytest.approx(nll) and got["perplexity"] == pytest.approx(np.exp(nll))
+    assert got["loss"] == pytest.approx(1.1 * nll)
+    assert got["grad_norm"] == pytest.approx(np.mean([m["grad_norm"] for m in steps]))
+    assert np.isnan(train_lib.interval_losses([{**skipped, "nonfinite": 1.0}])["loss"])
+
+
 def test_the_select_skips_a_step_like_the_cond(monkeypatch, tmp_path):
     """The GPU's form of the skip (a select after the update) against the CPU's (a cond around
     it, train_lib.SKIP_BY_COND): finite steps update alike (to float64 rounding: the two
@@ -189,7 +207,7 @@ def test_the_select_skips_a_step_like_the_cond(monkeypatch, tmp_path):
         task = tiny_task("language_modeling", str(tmp_path), **{"train.nonfinite": "skip"})
         rng = np.random.default_rng()
         start = task.exp.init_state(task.carry(rng))
-        finite = [task.batch(rng), task.batch(rng)]  # the first at the warm-up's rate 0
+        finite = [task.batch(rng), task.batch(rng)]
         nonfinite = task.batch(rng)
         nonfinite["weights"][1, 3] = np.nan
         after = {}
@@ -299,8 +317,9 @@ def test_a_workdir_resumes_only_its_own_run(tmp_path, tfds_dir, multi30k_dir):
     assert "model.d_ff: 64 -> 96; train.learning_rate: " in changed.stderr
     assert "--accept_config_changes" in changed.stderr
 
-    # More steps, under a budget the first run already spent: one step (3), then it stops (a
-    # budget per start would run on for most of a second run's worth of seconds).
+    # More steps, under a budget the first run already spent: it stops before any step (a
+    # budget per start would run on for most of a second run's worth of seconds), and so does
+    # every rerun of that command.
     budget = progress["budget_seconds"] * 0.9
     resumed = translation.run(
         train_cmd(
@@ -312,8 +331,9 @@ def test_a_workdir_resumes_only_its_own_run(tmp_path, tfds_dir, multi30k_dir):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     done = json.loads((workdir / "done.json").read_text())
-    assert done["reason"] == "max_train_seconds" and done["step"] == 3
-    assert "resumed from step 2" in resumed.stderr
+    assert done["reason"] == "max_train_seconds" and done["step"] == 2
+    assert "resumed from step 2" in resumed.stderr and "the time budget is spent" in resumed.stderr
+    assert translation.checkpoint_steps(workdir) == [2]
 
     models = list((workdir / "vocab").glob("*.model"))  # (its encoded split stays)
     assert models and (workdir / "vocab" / "encoded").is_dir()

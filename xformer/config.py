@@ -454,6 +454,11 @@ def same_value(value: Any, wanted: Any) -> bool:
 
 def _validate_language_model(config: ml_collections.ConfigDict, cfg) -> None:
     m, d, e = config.model, config.data, config.eval
+    if config.train.label_smoothing:
+        raise ValueError(
+            f"train.label_smoothing={config.train.label_smoothing} is for translation: the "
+            "language-model loss is the plain NLL (set it to 0)"
+        )
     for key in ("mem_len", "clamp_len", "d_embed"):
         if m[key] < 0:
             raise ValueError(f"model.{key} must be >= 0, got {m[key]}")

@@ -370,6 +370,24 @@ class NonfiniteSteps:
         )
 
 
+def interval_losses(pending: list[dict]) -> dict[str, float]:
+    """loss, nll, perplexity and grad_norm of a logging interval from its steps' train_step
+    metrics: token-weighted over the steps whose update was applied (the NaNs of a skipped
+    non-finite step would hide the others); NaN when none was."""
+    applied = [m for m in pending if not float(m["nonfinite"])]
+    if not applied:
+        return dict.fromkeys(("loss", "nll", "perplexity", "grad_norm"), float("nan"))
+    loss, nll, tokens, grad_norm = (
+        sum(float(m[k]) for m in applied) for k in ("loss_sum", "nll_sum", "tokens", "grad_norm")
+    )
+    return {
+        "loss": loss / tokens,
+        "nll": nll / tokens,
+        "perplexity": float(np.exp(nll / tokens)),
+        "grad_norm": grad_norm / len(applied),
+    }
+
+
 def count_params(params) -> int:
     """Number of parameters: the summed sizes of the leaves of `params`."""
     return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
@@ -411,6 +429,25 @@ def train_and_evaluate(
     step = int(state["step"])
     rng_state = exp.rng_state
     done_path = os.path.join(workdir, DONE_FILE)
+    # train.max_train_seconds is a budget for the whole run: the wall time of the loops of every
+    # start so far (up to its last checkpoint) counts, validation passes excluded (a slower
+    # machine's evaluations must not take steps away from its training).
+    budget_before = float(progress.get("budget_seconds", progress.get("train_seconds", 0.0)))
+    if t.max_train_seconds and budget_before >= t.max_train_seconds and step < t.num_steps:
+        logging.info(
+            "the time budget is spent (%.0f s of train.max_train_seconds=%g) at step %d: "
+            "nothing to train (raise it to train on)",
+            budget_before,
+            t.max_train_seconds,
+            step,
+        )
+        exp.checkpointer.close()
+        writer.close()
+        metrics = (read_json_if_present(done_path) or {}).get("metrics", {})
+        if jax.process_index() == 0:
+            done = {"step": step, "reason": "max_train_seconds", "metrics": metrics}
+            write_json(done_path, done)
+        return {"step": step, "stopped": "max_train_seconds", **metrics}
     if jax.process_index() == 0:
         info_path = os.path.join(workdir, RUN_INFO_FILE)
         info = provenance.with_start(
@@ -453,10 +490,6 @@ def train_and_evaluate(
     # checkpoints and evaluation excluded.
     interval_start = float(progress.get("train_seconds", 0.0))
     clock = TrainClock(interval_start)
-    # train.max_train_seconds is a budget for the whole run: the wall time of the loops of every
-    # start so far (up to its last checkpoint) counts, validation passes excluded (a slower
-    # machine's evaluations must not take steps away from its training).
-    budget_before = float(progress.get("budget_seconds", progress.get("train_seconds", 0.0)))
     eval_seconds = float(progress.get("eval_seconds", 0.0))  # validation passes, all starts
     evaluating = 0.0  # seconds of this start's validation passes
     nonfinite = NonfiniteSteps(t.nonfinite, int(progress.get("nonfinite_steps", 0)), step)
@@ -499,10 +532,7 @@ def train_and_evaluate(
                 if t.max_train_seconds:
                     remaining = min(remaining, t.max_train_seconds - budget_seconds)
                 last_metrics = {
-                    "loss": sums["loss_sum"] / sums["tokens"],
-                    "nll": sums["nll_sum"] / sums["tokens"],
-                    "perplexity": float(np.exp(sums["nll_sum"] / sums["tokens"])),
-                    "grad_norm": sums["grad_norm"] / len(pending),
+                    **interval_losses(pending),
                     "learning_rate": float(lr_fn(step)),
                     "steps_per_s": steps_per_s,
                     "tokens_per_s": sums["input_tokens"] / dt,
