@@ -20,7 +20,7 @@ from xformer.config import lm_base_config
 from xformer.data.lm_stream import TrainStream, sliding_windows
 from xformer.language_model import LanguageModel, reset_memory
 from xformer.tasks import make_task
-from xformer.tasks.language_modeling import EvalSettings
+from xformer.tasks.language_modeling import EvalSettings, LanguageModelingTask
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -310,6 +310,19 @@ def test_train_step_draws_fresh_dropout_masks_every_step(tmp_path, tfds_dir, ptb
     a, again, b = (float(step(state, task.exp.rng_state, np.int32(i))) for i in (0, 0, 1))
     assert a == again
     assert abs(a - b) > 1e-5 * abs(a)  # at initialisation dropout moves the loss only a little
+
+
+@pytest.mark.usefixtures("ptb")
+def test_a_shared_vocab_dir_keeps_one_vocabulary_per_training_split(tmp_path, tfds_dir):
+    """A run on a slice of train builds its vocabulary from that slice, and a later run on all
+    of train in the same data.vocab_dir builds its own instead of reusing the slice's."""
+    sizes = {}
+    for split in ("train[:300]", "train"):
+        overrides = {"data.vocab_dir": str(tmp_path / "vocab"), "data.train_split": split}
+        task = LanguageModelingTask(tiny_config(tfds_dir, **overrides), str(tmp_path / split))
+        sizes[split] = len(task.vocab)
+    assert sizes["train"] == 10_000 and sizes["train[:300]"] < 5_000, sizes
+    assert len(list((tmp_path / "vocab").glob("*.vocab"))) == 2
 
 
 def test_prefix_lm_evaluation_scores_each_token_once_and_never_inside_the_prefix():

@@ -1,6 +1,8 @@
 """First-fit packing (xformer/data/packing.py) against a plain-Python packer written from its
 specification, resumption from any position, and its errors."""
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -130,3 +132,16 @@ def test_pairs_longer_than_the_rows_are_refused():
     pairs = random_pairs(np.random.default_rng(), 10)
     with pytest.raises(ValueError, match="2 pairs have a side longer than 12"):
         PackedPairs(pairs, np.arange(10), length=LENGTH, num_bins=2, rows_per_batch=2, seed=0)
+
+
+def test_pairs_too_long_to_train_on_are_counted_in_a_warning(caplog):
+    rng = np.random.default_rng()
+    lengths = rng.integers(3, 20, size=(2, 200))
+    src, tgt = ([rng.integers(4, 50, n).astype(np.int32) for n in side] for side in lengths)
+    too_long = int(((lengths[0] > 12) | (lengths[1] > 12)).sum())
+    with caplog.at_level(logging.WARNING):
+        packed_train_dataset(
+            EncodedPairs.from_sequences(src, tgt), batch_size=4, max_length=12, seed=0
+        )
+    message = f"{too_long} of 200 training pairs have a side longer than data.max_train_length=12"
+    assert message in caplog.text

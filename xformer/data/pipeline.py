@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import grain
 import numpy as np
+from absl import logging
 from grain import experimental as grain_exp
 
 from xformer.data.packing import PackedPairs, join_rows
@@ -109,6 +110,14 @@ def packed_train_dataset(
     [len(shards) * batch_size / num_shards, max_length].
     """
     keep = np.flatnonzero((pairs.src.lengths <= max_length) & (pairs.tgt.lengths <= max_length))
+    if len(keep) < len(pairs):
+        logging.warning(
+            "%d of %d training pairs have a side longer than data.max_train_length=%d: not "
+            "trained on",
+            len(pairs) - len(keep),
+            len(pairs),
+            max_length,
+        )
     if len(keep) < num_shards:
         raise ValueError(
             f"{len(keep)} training pairs fit data.max_train_length={max_length}: too few for "

@@ -9,6 +9,7 @@ segment length, memory length and clamp_len.
 import collections
 import dataclasses
 import functools
+import hashlib
 import math
 import os
 import time
@@ -126,6 +127,8 @@ class LanguageModelingTask:
         if self.corpus.tokenization == "byte":
             return ByteVocab()
         name = f"{d.dataset}-{d.vocab_size}" if d.vocab_size else d.dataset
+        if d.vocab_dir and d.train_split != "train":  # a shared directory: one per slice
+            name += "-" + hashlib.sha256(d.train_split.encode()).hexdigest()[:12]
         path = self._vocab_path = os.path.join(self._vocab_dir, f"{name}.vocab")
         if os.path.exists(path):
             return (WordVocab if self.corpus.tokenization == "whitespace" else CharVocab).load(path)
