@@ -239,10 +239,9 @@ def test_the_select_skips_a_step_like_the_cond(monkeypatch, tmp_path):
 @pytest.mark.slow  # ~30 s: 2 train.py runs
 @pytest.mark.usefixtures("ptb")
 def test_divergence_stops_or_skips(tmp_path, tfds_dir):
-    """An absurd learning rate makes step 3 non-finite (step 1 runs at the warm-up's rate 0,
-    step 2 moves every parameter by ~1e30). "stop": status 3, a message naming the step, no
-    checkpoint after step 2. "skip": the run finishes, its parameters stay step 2's, and the
-    metrics count the 2 skipped steps."""
+    """An absurd learning rate makes step 2 non-finite (step 1 moves every parameter by
+    ~1e30). "stop": status 3, a message naming the step, no checkpoint after step 1. "skip": the
+    run finishes, its parameters stay step 1's, and the metrics count the 3 skipped steps."""
     common = [
         "--config.train.num_steps=4",
         "--config.train.checkpoint_every=1",
@@ -255,18 +254,18 @@ def test_divergence_stops_or_skips(tmp_path, tfds_dir):
     result = translation.run(lm.train_cmd(stop, tfds_dir, *common))
     assert result.returncode == 3, result.stderr[-3000:]
     assert re.search(
-        r"non-finite loss or gradient at step 3 \(loss sum \S+, gradient norm "
+        r"non-finite loss or gradient at step 2 \(loss sum \S+, gradient norm "
         r"\S+\)",
         result.stderr,
     ), result.stderr[-3000:]
-    assert "the last one kept: step 2" in result.stderr
-    assert translation.checkpoint_steps(stop) == [1, 2]
+    assert "the last one kept: step 1" in result.stderr
+    assert translation.checkpoint_steps(stop) == [1]
 
     skip = tmp_path / "skip"
     result = translation.run(lm.train_cmd(skip, tfds_dir, *common, "--config.train.nonfinite=skip"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert metrics(skip, "train/nonfinite_steps") == {1: 0, 2: 0, 3: 1, 4: 1}
-    assert metrics(skip, "train/nonfinite_steps_total")[4] == 2
+    assert metrics(skip, "train/nonfinite_steps") == {1: 0, 2: 1, 3: 1, 4: 1}
+    assert metrics(skip, "train/nonfinite_steps_total")[4] == 3
     after_3, after_4 = final_params(skip, 3), final_params(skip, 4)  # (checkpoints kept: 2)
     for name, value in after_4.items():
         assert np.isfinite(value).all(), name
