@@ -209,6 +209,34 @@ def test_exhaustive_beam_matches_brute_force(beam_size, alpha):
         assert seqs[0] == best
 
 
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_row_limits_give_each_row_its_own_search(beam_size):
+    """Rows with their own length limits get what a search of that row alone, with max_len =
+    its limit, gives (then padding): the other rows' limits change nothing."""
+    rng = np.random.default_rng()
+    batch, vocab, max_len = 4, 5, 8
+    lm = ToyLM(int(rng.integers(1000)), vocab=vocab, max_len=max_len, eos_bias=-1.0)
+    cache = lm.init_cache(batch, int(rng.integers(1000)))
+    limits = np.array([2, 8, 5, 1], np.int32)
+    if beam_size == 1:
+        got = greedy_search(lm.step_fn, cache, batch, max_len, BOS, EOS, row_limits=limits)
+        got = np.asarray(got)[:, None]
+    else:
+        got, scores = beam_search(
+            lm.step_fn, cache, batch, beam_size, max_len, BOS, EOS, row_limits=limits
+        )
+        got, scores = np.asarray(got), np.asarray(scores)
+    for b, limit in enumerate(limits):
+        row = {k: v if k == "count" else v[b : b + 1] for k, v in cache.items()}
+        if beam_size == 1:
+            alone = np.asarray(greedy_search(lm.step_fn, row, 1, int(limit), BOS, EOS))[:, None]
+        else:
+            alone, alone_scores = beam_search(lm.step_fn, row, 1, beam_size, int(limit), BOS, EOS)
+            np.testing.assert_allclose(scores[b], np.asarray(alone_scores)[0], rtol=1e-6)
+        np.testing.assert_array_equal(got[b, :, :limit], np.asarray(alone)[0], err_msg=str(b))
+        assert (got[b, :, limit:] == PAD).all()
+
+
 @pytest.mark.parametrize(("seed", "alpha"), [(21, 0.6), (21, 0.0), (21, 2.0), (2, -0.5)])
 def test_early_exit_is_exact_and_consistent(seed, alpha):
     """Small beams on a longer problem: early exit changes nothing; scores match sequences."""

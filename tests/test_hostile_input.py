@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from xformer import config as config_lib
-from xformer import model_config, sharding
+from xformer import decoding, model_config, sharding, translate
 from xformer.data.pipeline import budget_batches, rows_within_budget, source_bucket_length
 from xformer.data.text import LINE_BREAKS, normalize_line, one_line, read_input_lines
 from xformer.data.tokenizer import EOS_ID, PAD_ID, train_tokenizer
@@ -340,3 +340,27 @@ def test_character_model_names_characters_outside_its_alphabet(tmp_path):
     assert "'ü' x1 (first at line 2, column 4)" in message
     path.write_text("abc de", encoding="utf-8")
     np.testing.assert_array_equal(encode_text_file(chars, str(path)).stream, chars.encode("abc de"))
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_each_line_stops_at_its_own_cap_whatever_its_batch(tokenizer, beam_size, monkeypatch):
+    """With EOS banned every output runs to its cap, the line's own length + max_decode_extra:
+    the same alone and beside a longer line (the batch's padded length set it before)."""
+
+    def ban_eos_too(step_fn, token_ids):
+        return decoding.ban_tokens(step_fn, (*token_ids, EOS_ID))
+
+    monkeypatch.setattr(translate, "ban_tokens", ban_eos_too)
+    translator, params, rng_state = make_translator(
+        tokenizer,
+        beam_size=beam_size,
+        max_decode_extra=3,
+        max_input_tokens=100,
+        max_tokens_per_batch=1024,
+    )
+    rng = random.Random()
+    short, long = (" ".join(rng.choices(WORDS, k=k)) for k in (2, 15))
+    alone = translator.translate(params, rng_state, [short])
+    together = translator.translate(params, rng_state, [long, short])
+    assert together.lines[1] == alone.lines[0]
+    assert alone.hit_length_cap == 1 and together.hit_length_cap == 2

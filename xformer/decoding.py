@@ -28,12 +28,15 @@ Beam search semantics (per batch row, ``k = beam_size``):
   beam search); the ``k`` best non-EOS extensions (there are always at least ``k`` of the
   ``2k``) become the new alive set, and the cache is gathered by their parent beams
   (except the leaves the step returns unchanged, which are the same in every beam).
-* Alive hypotheses still alive at ``max_len`` are finished with ``L = max_len``, so every
-  row returns ``k`` real hypotheses unless there are fewer than ``k`` possible sequences.
+* Alive hypotheses still alive at the row's length limit (``max_len``, or its entry of
+  ``row_limits``) are finished with ``L`` = that limit, so every row returns ``k`` real
+  hypotheses unless there are fewer than ``k`` possible sequences.
 * A row stops once no alive hypothesis can beat its worst finished one. Extending a
   hypothesis can only lower its summed log-probability ``s <= s_alive``, and for a monotone
-  ``lp`` the best possible final score is ``max(s / lp(t + 1), s / lp(max_len))`` over the
+  ``lp`` the best possible final score is ``max(s / lp(t + 1), s / lp(limit))`` over the
   remaining lengths, so the test is exact: stopping early never changes the result.
+* ``row_limits`` ([B] int32, each in [1, max_len]) gives each row its own length limit, so a
+  row's output does not depend on the other rows of its batch (e.g. their source lengths).
 * With ``beam_size=1`` and ``alpha=0`` the result is exactly the greedy result. With
   ``alpha > 0`` it can legitimately differ: after the greedy hypothesis ends, the alive
   beam may later finish a longer hypothesis with a better length-penalised score.
@@ -166,6 +169,7 @@ def greedy_search(
     pad_id: int = 0,
     *,
     early_exit: bool = True,
+    row_limits: jax.Array | None = None,
 ) -> jax.Array:
     """Greedy (argmax) decoding.
 
@@ -176,14 +180,16 @@ def greedy_search(
       max_len: number of tokens to generate (not counting BOS).
       bos_id, eos_id, pad_id: special token ids.
       early_exit: stop the loop once every row has emitted EOS (never changes the result).
+      row_limits: ``[B]`` int32, the tokens each row may generate (<= max_len; None: max_len).
 
     Returns:
       ``[B, max_len] int32`` generated tokens (BOS excluded); EOS is included when produced
-      and every position after it holds ``pad_id``.
+      and every position after it (or after the row's limit) holds ``pad_id``.
     """
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     B = batch_size
+    limits = _row_limits(row_limits, B, max_len)
 
     def cond(state):
         t, _, _, finished, _ = state
@@ -198,14 +204,14 @@ def greedy_search(
         nxt = jnp.argmax(log_probs.astype(jnp.float32), axis=-1).astype(jnp.int32)
         nxt = jnp.where(finished, jnp.int32(pad_id), nxt)
         tokens = tokens.at[:, t].set(nxt)
-        finished = finished | (nxt == eos_id)
+        finished = finished | (nxt == eos_id) | (t + 1 >= limits)
         return t + 1, tokens, nxt, finished, cache
 
     init = (
         jnp.int32(0),
         jnp.full((B, max_len), pad_id, jnp.int32),
         jnp.full((B,), bos_id, jnp.int32),
-        jnp.zeros((B,), bool),
+        limits < 1,
         cache,
     )
     _, tokens, _, _, _ = jax.lax.while_loop(cond, body, init)
@@ -227,6 +233,7 @@ def beam_search(
     top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
     cache_phases: tuple[int, ...] = (),
     grow_cache: Callable[[Cache, int], Cache] | None = None,
+    row_limits: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with GNMT length penalty (semantics in the module docstring).
 
@@ -245,6 +252,7 @@ def beam_search(
       cache_phases, grow_cache: run in phases (:func:`phase_sizes`): `cache` holds
         cache_phases[0] slots, and grow_cache(cache, n) returns the beam-expanded cache (leaves
         ``[B * K, ...]``) with n; () for one loop.
+      row_limits: ``[B]`` int32, each row's own maximum length (<= max_len; None: max_len).
 
     Returns:
       ``(tokens [B, K, max_len] int32, scores [B, K] float32)`` sorted best first. Tokens
@@ -258,7 +266,8 @@ def beam_search(
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     phases = _check_phases(cache_phases, max_len, grow_cache)
     B, K, T = batch_size, beam_size, max_len
-    lp_max = length_penalty(T, alpha)
+    limits = _row_limits(row_limits, B, max_len)
+    lp_max = length_penalty(limits, alpha)[:, None]  # [B, 1]: of each row's longest output
 
     def cond(state):
         t, *_, done, _ = state
@@ -298,8 +307,9 @@ def beam_search(
         alive_seqs = _take(alive_seqs, parent).at[:, :, t].set(last)
         cache = gather_beams(stepped, parent, unchanged_since=cache)
 
-        # At the last position, hypotheses that are still alive count as finished.
-        final_ok = (t == T - 1) & (alive_scores > _INVALID) & ~done[:, None]
+        # At a row's last position, hypotheses that are still alive count as finished.
+        last_position = (t == limits - 1)[:, None]
+        final_ok = last_position & (alive_scores > _INVALID) & ~done[:, None]
         final_scores = jnp.where(final_ok, alive_scores / lp_max, NEG_INF)
 
         # Merge; existing hypotheses come first so that ties keep them (top_k is stable).
@@ -310,10 +320,11 @@ def beam_search(
 
         if early_exit:
             # Descendants have summed log-prob <= the best alive one and length in
-            # [t + 2, T]; lp is monotone, so the best reachable score is at an endpoint.
+            # [t + 2, limit]; lp is monotone, so the best reachable score is at an endpoint.
             best = alive_scores[:, 0]
-            bound = jnp.maximum(best / length_penalty(t + 2, alpha), best / lp_max)
+            bound = jnp.maximum(best / length_penalty(t + 2, alpha), best / lp_max[:, 0])
             done = done | (bound <= fin_scores[:, -1])
+        done = done | (t + 1 >= limits)  # a row past its limit changes no more
         return t + 1, last, alive_seqs, alive_scores, fin_seqs, fin_scores, done, cache
 
     init = (
@@ -328,6 +339,13 @@ def beam_search(
     )
     state = _while_in_phases(cond, body, init, phases, grow_cache)
     return state[4], state[5]
+
+
+def _row_limits(row_limits: jax.Array | None, batch_size: int, max_len: int) -> jax.Array:
+    """[B] int32 length limits: row_limits capped at max_len, or max_len for every row."""
+    if row_limits is None:
+        return jnp.full((batch_size,), max_len, jnp.int32)
+    return jnp.minimum(jnp.asarray(row_limits, jnp.int32), max_len)
 
 
 def ban_tokens(step_fn: StepFn, token_ids: tuple[int, ...]) -> StepFn:

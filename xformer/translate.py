@@ -11,9 +11,10 @@ Every input line gets exactly one output line, in input order (``Translator.tran
   (``pipeline.budget_batches``), at most ``eval.batch_size`` rows, longest inputs first: long
   lines come in small batches, so memory stays bounded whatever the input. The rows of a
   batch depend only on its padded length, so there is one compiled shape per length bucket.
-* Decoding stops at EOS or after the padded source length + ``eval.max_decode_extra`` tokens
-  (with learned positions at most ``model.max_len``); ``Translations.hit_length_cap`` counts
-  outputs that stopped at that cap instead of at EOS.
+* Decoding stops at EOS or after the input's own length (EOS included) +
+  ``eval.max_decode_extra`` tokens (with learned positions at most ``model.max_len``), so an
+  output never depends on the other lines of its batch; ``Translations.hit_length_cap``
+  counts outputs that stopped at that cap instead of at EOS.
 * An output never contains a line break (``text.one_line``).
 """
 
@@ -58,17 +59,21 @@ def search(
     alpha: float,
     top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
     phases: tuple[int, ...] | None = None,
+    row_limits: jax.Array | None = None,
 ) -> jax.Array:
     """The best output [B, max_len] for each row of src [B, Ls] (PAD after EOS): beam search
     with length penalty `alpha`, or greedy search when beam_size is 1, over the model's
-    cached decoding steps; PAD and BOS are never generated. Beam search grows its
-    self-attention cache in `phases` (default `decoding.phase_sizes(max_len)`; (max_len,):
-    one loop over the whole cache)."""
+    cached decoding steps; PAD and BOS are never generated. `row_limits` [B]: each row's own
+    maximum output length (None: max_len). Beam search grows its self-attention cache in
+    `phases` (default `decoding.phase_sizes(max_len)`; (max_len,): one loop over the whole
+    cache)."""
     step_fn = ban_tokens(model.decode_step, (PAD_ID, BOS_ID))
     b = src.shape[0]
     if beam_size == 1:
         cache = model.init_decode_cache(src, max_len)
-        return greedy_search(step_fn, cache, b, max_len, BOS_ID, EOS_ID, PAD_ID)
+        return greedy_search(
+            step_fn, cache, b, max_len, BOS_ID, EOS_ID, PAD_ID, row_limits=row_limits
+        )
     phases = phases or phase_sizes(max_len)
     tokens, _ = beam_search(
         step_fn,
@@ -82,6 +87,7 @@ def search(
         PAD_ID,
         top_k=top_k,
         cache_phases=phases,
+        row_limits=row_limits,
         grow_cache=model.grow_decode_cache,
     )
     return tokens[:, 0]
@@ -169,9 +175,11 @@ class Translator:
         )
 
     def _decode_fn(self, graphdef, params, rng_state, src, max_len: int) -> jax.Array:
+        """max_len: the batch's cap (its padded length's); each row stops at its own."""
         model = nnx.merge(graphdef, params, rng_state)
         top_k = sharding.row_local_top_k(self.batch_sharding.mesh)
-        return search(model, src, max_len, self.beam_size, self.alpha, top_k)
+        limits = (src != PAD_ID).sum(axis=1) + self.max_decode_extra  # (capped at max_len)
+        return search(model, src, max_len, self.beam_size, self.alpha, top_k, row_limits=limits)
 
     def translate(
         self, params: nnx.State, rng_state: nnx.State, lines: list[str], log_every_s: float = 0.0
