@@ -14,9 +14,10 @@ def _lines(path):
 
 
 @pytest.mark.parametrize("lang", ["en", "de"])
-def test_lc_tok_pipeline_matches_upstream_tokenized_files(multi30k_dir, lang):
-    raw = _lines(multi30k_dir / "raw" / f"test_2016_flickr.{lang}.gz")
-    tok = _lines(multi30k_dir / "tok" / f"test_2016_flickr.lc.norm.tok.{lang}.gz")
+@pytest.mark.parametrize("split", ["test_2016_flickr", "val"])  # val.de: a line ending in ."
+def test_lc_tok_pipeline_matches_upstream_tokenized_files(multi30k_dir, split, lang):
+    raw = _lines(multi30k_dir / "raw" / f"{split}.{lang}.gz")
+    tok = _lines(multi30k_dir / "tok" / f"{split}.lc.norm.tok.{lang}.gz")
     assert [moses_lc_tok(line, lang) for line in raw] == tok
 
 

@@ -2,7 +2,7 @@
 
 Multi30k papers score lowercased, punctuation-normalised, Moses-tokenized text (upstream
 scripts/task1-tokenize.sh) with multi-bleu. `moses_lc_tok` reproduces that preprocessing exactly
-on the upstream test sets, so both hypotheses and references can be taken from raw text.
+on the upstream test and validation sets, so hypotheses and references can be taken from raw text.
 """
 
 import dataclasses
@@ -28,9 +28,12 @@ def _moses(lang: str) -> tuple[sacremoses.MosesPunctNormalizer, sacremoses.Moses
 
 
 def moses_lc_tok(line: str, lang: str) -> str:
-    """lowercase -> normalize-punctuation.perl -> tokenizer.perl, as upstream Multi30k does."""
+    """lowercase -> normalize-punctuation.perl -> tokenizer.perl, as upstream Multi30k does.
+    The normaliser sees the line's newline, as the Perl script does: its rule that moves a
+    quote before a period needs a character after the quote (`."` at the end of a line)."""
     normalizer, tokenizer = _moses(lang)
-    return tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True, return_str=True)
+    text = normalizer.normalize(line.lower() + "\n").strip()
+    return tokenizer.tokenize(text, escape=True, return_str=True)
 
 
 def bleu_report(hypotheses: list[str], references: list[str], lang: str) -> BleuReport:
