@@ -52,6 +52,7 @@ class StopOnSignal:
             return
         self.signal_name, self._first_at = name, time.monotonic()
         logging.warning(
-            "%s: stopping after this step with a checkpoint (send it again to exit at once)",
+            "%s: stopping after this step with a checkpoint (send it again, a second later, to "
+            "exit at once)",
             self.signal_name,
         )
