@@ -533,7 +533,8 @@ def train_and_evaluate(
                     remaining = min(remaining, t.max_train_seconds - budget_seconds)
                 last_metrics = {
                     **interval_losses(pending),
-                    "learning_rate": float(lr_fn(step)),
+                    # of the last applied update: the schedule follows Adam's count of them
+                    "learning_rate": float(lr_fn(step - nonfinite.total)),
                     "steps_per_s": steps_per_s,
                     "tokens_per_s": sums["input_tokens"] / dt,
                     "target_tokens_per_s": sums["tokens"] / dt,
