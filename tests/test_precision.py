@@ -823,3 +823,27 @@ def test_bfloat16_layers_sum_float32_bias_gradients_in_float32(layer):
     assert d_bias.dtype == jnp.float32
     want = np.asarray(g, np.float64).reshape(-1, *module.bias.shape).sum(0)
     np.testing.assert_allclose(d_bias, want, rtol=1e-6)
+
+
+def test_bfloat16_relative_positions_sum_the_v_bias_gradient_in_float32():
+    """Transformer-XL's position bias v (float32 in a bfloat16 model) is added to every query:
+    its gradient is the float32 sum of the bfloat16 cotangent over 64 x 64 queries (a bfloat16
+    sum is off by ~1e-3 of the terms' total)."""
+    cfg = LMConfig(**TINY_LM, positional="relative", dropout=0.0, dtype="bfloat16")
+    scheme = SCHEMES["relative"](cfg, 2, rngs=nnx.Rngs(fresh_seed()))
+    assert scheme.v[...].dtype == jnp.float32
+    rng = np.random.default_rng()
+    layout = Layout(64, 64, causal=False)
+    q, k = (jnp.asarray(rng.standard_normal((64, 64, 2, 8)), jnp.bfloat16) for _ in range(2))
+    g = jnp.asarray(rng.standard_normal((64, 2, 64, 64)), jnp.float32)
+
+    def loss(scheme, q):
+        return (scheme.logit_bias(scheme.prepare(layout), q, k, layout, 1) * g).sum()
+
+    grads, dq = nnx.grad(loss, argnums=(0, 1))(scheme, q)
+    dv = grads["v"][...]
+    assert dv.dtype == jnp.float32
+    terms = np.asarray(dq, np.float64)  # q + v: v's gradient is the sum of q's over (b, q)
+    want = terms.sum((0, 1))
+    error = np.abs(np.asarray(dv, np.float64) - want).max() / np.abs(terms).sum((0, 1)).min()
+    assert error < 1e-6, error

@@ -132,8 +132,8 @@ class XLRelativePositions(PositionalScheme):
 
     def logit_bias(self, r, q, k, layout, layer):
         """r: R [W, d] from `prepare`, or the projections of `prepare_step`."""
-        u, v = ((p[layer] if self.untied else p[...]).astype(q.dtype) for p in (self.u, self.v))
+        u, v = ((p[layer] if self.untied else p[...]) for p in (self.u, self.v))
         rk = r.rk[layer] if isinstance(r, ProjectedDistances) else self._project(r, layer)
-        position = position_scores(q + v, rk)
-        content_bias = precision.wide_einsum("hd,bkhd->bhk", u, k)[:, :, None]
+        position = position_scores(precision.add_bias(q, v), rk)  # v's gradient summed wide
+        content_bias = precision.wide_einsum("hd,bkhd->bhk", u.astype(q.dtype), k)[:, :, None]
         return (content_bias + relative_shift(position, layout.k_len)) / math.sqrt(self.head_dim)
