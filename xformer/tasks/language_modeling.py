@@ -205,7 +205,8 @@ class LanguageModelingTask:
         settings: EvalSettings | None = None,
         log_every_s: float = 0.0,
     ) -> dict:
-        """NLL of every token of `split` exactly once; perplexity and bits per token."""
+        """NLL of every token of `split` exactly once, its perplexity and, for character (and
+        byte) corpora, bits per character."""
         return self.score_stream(params, rng_state, self.stream(split), settings, log_every_s)
 
     def score_stream(
@@ -265,10 +266,11 @@ class LanguageModelingTask:
         if tokens != len(stream):
             raise AssertionError(f"scored {tokens} tokens of {len(stream)}")
         nll = float(nll_sum) / tokens
+        bits = {"bpc": nll / math.log(2)} if self.corpus.metric == "bpc" else {}  # per symbol
         return {
             "nll": nll,
             "perplexity": math.exp(nll),
-            "bpc": nll / math.log(2),
+            **bits,
             "tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds,
