@@ -23,7 +23,7 @@ from xformer import experiment as experiment_lib
 from xformer.averaging import average_params, steps_to_average
 from xformer.checkpoint import Checkpointer
 from xformer.data.errors import DataError
-from xformer.files import write_json
+from xformer.files import check_writable, write_json
 from xformer.tasks import make_task
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir with checkpoints.")
@@ -41,17 +41,17 @@ def main(argv):
     source, output = _WORKDIR.value, _OUTPUT.value
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         sys.exit(f"average.py: --output={output} exists and is not an empty directory")
-    config = experiment_lib.load_config(source)  # written to the output as it is
-    run_config = copy.deepcopy(config)
     try:
+        config = experiment_lib.load_config(source)  # written to the output as it is
+        run_config = copy.deepcopy(config)
         experiment_lib.set_evaluation_mesh(run_config, _MESH.value, jax.device_count())
         task = make_task(run_config, source, train_if_missing=False, training=False)
         steps = steps_to_average(task.exp, _LAST.value, _STEP.value)
-    except (ValueError, DataError) as e:
+        check_writable(output, "--output")
+    except (ValueError, OSError, DataError) as e:
         sys.exit(f"average.py: {e}")
     params = average_params(task.exp, steps)
 
-    os.makedirs(output, exist_ok=True)
     experiment_lib.save_config(config, output)
     if not config.data.vocab_dir and os.path.isdir(os.path.join(source, "vocab")):
         shutil.copytree(os.path.join(source, "vocab"), os.path.join(output, "vocab"))

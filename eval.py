@@ -52,7 +52,6 @@ import json
 import os
 import sys
 import time
-import zlib
 from collections.abc import Iterator
 
 from xformer.malloc_tuning import reexec_with_malloc_tuning
@@ -72,8 +71,8 @@ from xformer.bleu import bleu_report
 from xformer.data.errors import DataError
 from xformer.data.text import read_input_lines
 from xformer.data.translation import split_text
-from xformer.files import write_json
-from xformer.params_checkpoint import restore_params
+from xformer.files import check_output_file, check_writable, write_json
+from xformer.params_checkpoint import checkpoint_step, restore_params
 from xformer.tasks import make_task
 from xformer.tasks.language_modeling import EvalSettings, encode_text_file
 
@@ -112,7 +111,7 @@ _COMPARE_OUT = flags.DEFINE_string("compare_out", None, "Where --compare writes 
 TRANSLATION_FLAGS = {"reference": _REFERENCE, "output": _OUTPUT}
 INPUT_ERROR_STATUS = 2  # exit status when an input, reference or output file (or the
 # evaluation settings given to the workdir's config) cannot be used
-FILE_ERRORS = (ValueError, OSError, EOFError, zlib.error)
+FILE_ERRORS = (ValueError, OSError)
 LOG_EVERY_S = 10.0  # progress lines during evaluation
 OVERRIDES = {
     "encoder_decoder": {"beam_size": _BEAM, "length_penalty": _ALPHA, "batch_size": _BATCH},
@@ -141,7 +140,11 @@ def main(argv):
     experiment_lib.quiet_library_logs()
     distributed_flags.initialize_if_requested()
     workdir = _WORKDIR.value
-    config = experiment_lib.load_config(workdir)
+    if _INPUT.value and _SPLIT.value:
+        raise app.UsageError("give --split or --input, not both")
+    with input_errors(OSError, ValueError):  # not a workdir, or one this process cannot write
+        config = experiment_lib.load_config(workdir)
+        check_writable(workdir, "--workdir")
     try:
         experiment_lib.set_evaluation_mesh(config, _MESH.value, jax.device_count())
     except ValueError as e:
@@ -196,14 +199,21 @@ def input_errors(*errors: type[Exception]) -> Iterator[None]:
         sys.exit(INPUT_ERROR_STATUS)
 
 
-def _restore(task) -> tuple[object, object, int, dict]:
-    """(parameters, non-parameter state, step, extra result fields) of the checkpoint, or the
-    average of the last --average_last checkpoints: parameters only, not the optimizer state."""
+def _checkpoint_steps(task) -> list[int]:
+    """The checkpoints to evaluate: --step (default: the latest), or the last --average_last
+    ending there. Exits with an input error when the workdir does not hold them."""
+    with input_errors(FileNotFoundError, ValueError):
+        if _AVERAGE_LAST.value is None:
+            return [checkpoint_step(task.exp, _STEP.value)]
+        return steps_to_average(task.exp, _AVERAGE_LAST.value, _STEP.value)
+
+
+def _restore(task, steps: list[int]) -> tuple[object, object, int, dict]:
+    """(parameters, non-parameter state, step, extra result fields) of checkpoint `steps[0]`,
+    or with --average_last the average of `steps`: parameters only, not the optimizer state."""
     if _AVERAGE_LAST.value is None:
-        params, step = restore_params(task.exp, _STEP.value)
+        params, step = restore_params(task.exp, steps[0])
         return params, task.exp.rng_state, step, {}
-    with input_errors():
-        steps = steps_to_average(task.exp, _AVERAGE_LAST.value, _STEP.value)
     logging.info("averaging the parameters of checkpoints %s", steps)
     params = average_params(task.exp, steps)
     return params, task.exp.rng_state, steps[-1], {"averaged_steps": steps}
@@ -211,9 +221,8 @@ def _restore(task) -> tuple[object, object, int, dict]:
 
 def evaluate_language_model(config, workdir: str) -> dict:
     split = _SPLIT.value or config.data.test_split
-    if _INPUT.value and _SPLIT.value:
-        raise app.UsageError("give --split or --input, not both")
     task = make_task(config, workdir, train_if_missing=False, training=False)
+    steps = _checkpoint_steps(task)
     # Read and encode before restoring, so bad data fails fast.
     oov = None
     if _INPUT.value:
@@ -232,7 +241,7 @@ def evaluate_language_model(config, workdir: str) -> dict:
             )
     else:
         name, stream = split, task.stream(split)
-    params, rng_state, step, averaged = _restore(task)
+    params, rng_state, step, averaged = _restore(task, steps)
     settings = EvalSettings.from_config(config)
     result = task.score_stream(params, rng_state, stream, settings, log_every_s=LOG_EVERY_S)
     logging.info("%s at step %d: %s", name, step, task.summary(result))
@@ -264,14 +273,6 @@ def read_translation_input() -> tuple[list[str], list[str] | None]:
     return sources, references
 
 
-def check_output_writable(path: str) -> None:
-    """Raise OSError before any compute if `path`'s directory cannot be made or written."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    if os.path.isdir(path) or not os.access(folder, os.W_OK):
-        raise PermissionError(f"--output={path}: cannot write a file there")
-
-
 def write_lines(path: str, lines: list[str]) -> None:
     """One line per item, written to a temporary file and renamed (no half-written file)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -283,20 +284,23 @@ def write_lines(path: str, lines: list[str]) -> None:
 
 def evaluate_translation(config, workdir: str) -> dict:
     # Read every input before compiling anything, so bad files fail fast.
-    if _INPUT.value:
-        with input_errors():
+    if _REFERENCE.value and not _INPUT.value:
+        raise app.UsageError("--reference needs --input")
+    with input_errors():
+        if _OUTPUT.value:
+            check_output_file(_OUTPUT.value, "--output")
+        else:
+            check_writable(os.path.join(workdir, "translations"), "the translations directory")
+        if _INPUT.value:
             sources, references = read_translation_input()
-            if _OUTPUT.value:
-                check_output_writable(_OUTPUT.value)
+    if _INPUT.value:
         name = os.path.basename(_INPUT.value)
     else:
-        if _REFERENCE.value:
-            raise app.UsageError("--reference needs --input")
         name = _SPLIT.value or config.data.test_split
         sources, references = split_text(config, name)
 
     task = make_task(config, workdir, train_if_missing=False, training=False)
-    params, rng_state, step, averaged = _restore(task)
+    params, rng_state, step, averaged = _restore(task, _checkpoint_steps(task))
     start = time.time()
     translations = task.translator().translate(params, rng_state, sources, LOG_EVERY_S)
     seconds = time.time() - start
@@ -305,7 +309,7 @@ def evaluate_translation(config, workdir: str) -> dict:
         raise AssertionError(f"{len(hyps)} translations of {len(sources)} lines")
     if translations.hit_length_cap:
         logging.warning(
-            "%d of %d translations stopped at the length cap (padded source length + "
+            "%d of %d translations stopped at the length cap (their own source length + "
             "eval.max_decode_extra=%d tokens) instead of at end-of-sentence",
             translations.hit_length_cap,
             len(sources) - translations.empty,

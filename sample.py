@@ -30,7 +30,7 @@ from absl import app, flags, logging
 from xformer import experiment as experiment_lib
 from xformer.data.errors import DataError
 from xformer.data.text import read_text_lines
-from xformer.files import write_json
+from xformer.files import check_output_file, write_json
 from xformer.generate import (
     Sampling,
     check_generation,
@@ -38,7 +38,7 @@ from xformer.generate import (
     encode_prompt,
     make_generator,
 )
-from xformer.params_checkpoint import restore_params
+from xformer.params_checkpoint import checkpoint_step, restore_params
 from xformer.tasks import make_task
 from xformer.tasks.language_modeling import EvalSettings
 
@@ -94,10 +94,18 @@ def main(argv):
         sampling = Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
         if _NUM_SAMPLES.value < 1:
             raise ValueError(f"num_samples must be >= 1, got {_NUM_SAMPLES.value}")
+        if _OUTPUT.value:
+            check_output_file(_OUTPUT.value, "--output")
         prompt = read_prompt()
         config = load_config(workdir)
         task = make_task(config, workdir, train_if_missing=False, training=False)
+        step = checkpoint_step(task.exp, _STEP.value)
         settings = EvalSettings.from_config(config)
+        if _SEGMENT.value is not None and not settings.mem_len:
+            raise ValueError(
+                "--segment_length sets the segments that pass through Transformer-XL's memory; "
+                "with no memory (mem_len 0) the context is one pass: leave it out"
+            )
         context, unknown = encode_prompt(task.vocab, prompt, task.boundary_id)
         model_cfg = dataclasses.replace(
             task.exp.model_cfg, clamp_len=settings.clamp_len, decoder_mask=settings.decoder_mask
@@ -109,7 +117,7 @@ def main(argv):
             mem_len=settings.mem_len,
             segment_length=settings.segment_length,
         )
-    except (ValueError, FileNotFoundError, DataError) as e:
+    except (ValueError, OSError, DataError) as e:
         sys.exit(f"sample.py: {e}")
     if unknown:
         logging.warning(
@@ -119,7 +127,7 @@ def main(argv):
         )
 
     exp = task.exp
-    params, step = restore_params(exp, _STEP.value)
+    params, _ = restore_params(exp, step)
     generator = make_generator(
         exp.graphdef_for(model_cfg),
         sampling,

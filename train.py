@@ -29,6 +29,8 @@ Multi-process (one command per process, every one with the same flags; README "M
         --coordinator_address=10.0.0.1:8476 --num_processes=2 --process_id=0
 """
 
+import ast
+import re
 import sys
 
 from xformer.malloc_tuning import reexec_with_malloc_tuning
@@ -70,10 +72,39 @@ _LIST = flags.DEFINE_bool(
 flags.mark_flags_as_required(["workdir"])
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing; a --config that cannot be loaded or overridden (missing file,
+    unknown variant, unknown key, bad value) exits with one line instead of a traceback."""
+    try:
+        remaining = flags.FLAGS(argv)
+        if _CONFIG.value is not None:
+            _CONFIG.value.keys()  # ml_collections defers a file's load error to its first use
+        return remaining
+    except flags.Error as e:  # its message may hold the config file's traceback
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        reason = lines[0]
+        if len(lines) > 1:
+            reason += " " + re.sub(r"^\w+: ", "", lines[-1])  # the exception, less its type
+        sys.exit(f"train.py: {reason}\nPass --helpshort or --helpfull to see help on flags.")
+    except (AttributeError, KeyError) as e:  # an override names a key the config lacks
+        text = str(e)
+        while len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+            text = ast.literal_eval(text)
+        key, *hint = text.splitlines()
+        given = [a.split("=")[0] for a in argv if a.startswith("--config.") and key[1:-1] in a]
+        where = f"{given[0]}: " if given else ""
+        hint = f" ({' '.join(hint)})" if hint else ""
+        sys.exit(f"train.py: {where}the config has no key {key}{hint}")
+    except OSError as e:  # the config file could not be read; the reason is the last line
+        reason = re.sub(r"^.*failure to load: ", "", str(e).splitlines()[-1].strip())
+        sys.exit(f"train.py: --config: {reason}")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if (_CONFIG.value is None) == (_SWEEP.value is None):
+    config = _CONFIG.value
+    if (config is None) == (_SWEEP.value is None):
         raise app.UsageError("give exactly one of --config and --sweep")
     if _SWEEP.value is not None:
         if distributed_flags.DISTRIBUTED.value:
@@ -102,7 +133,7 @@ def main(argv):
     logging.info("devices: %s", jax.devices())
     try:
         result = train_lib.train_and_evaluate(
-            _CONFIG.value, _WORKDIR.value, accept_config_changes=_ACCEPT_CHANGES.value
+            config, _WORKDIR.value, accept_config_changes=_ACCEPT_CHANGES.value
         )
     except (ConfigError, DataError) as e:  # the message says what to change
         sys.exit(f"train.py: {e}")
@@ -118,4 +149,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

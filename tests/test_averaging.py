@@ -108,6 +108,10 @@ def test_eval_average_last_and_the_averaged_workdir(tmp_path, tfds_dir):
     too_many = run(["eval.py", f"--workdir={workdir}", f"--input={source}", "--average_last=4"])
     assert too_many.returncode == 2 and "Traceback" not in too_many.stderr
     assert "train.keep_checkpoints" in too_many.stderr
+    missing = run(["eval.py", f"--workdir={workdir}", f"--input={source}", "--step=5"])
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    holds = f"no checkpoint 5 in {workdir / 'checkpoints'} (it holds [2, 4, 6])"
+    assert f"eval.py: error: {holds}" in missing.stderr
     again = run(["average.py", f"--workdir={workdir}", "--last=2", f"--output={averaged}"])
     assert again.returncode != 0 and "is not an empty directory" in again.stderr
     resumed = run(train_cmd(averaged, tfds_dir, *steps))

@@ -22,18 +22,70 @@ def run(args, env_extra=None):
     )
 
 
-def test_unknown_config_key_from_command_line(tmp_path):
-    result = run(
-        [
-            "train.py",
-            "--config=configs/multi30k_ende.py",
-            f"--workdir={tmp_path}",
-            "--config.model.num_head=8",
-        ]
-    )
-    assert result.returncode != 0
-    assert "num_head" in result.stderr
-    assert not (tmp_path / "checkpoints").exists()
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--config=configs/multi30k_ende.py", "--config.model.num_head=8"],
+            "--config.model.num_head: the config has no key 'num_head' (Did you mean "
+            '"num_heads" instead of "num_head"?)',
+        ),
+        (
+            ["--config=configs/multi30k_ende.py:rotary"],
+            "flag --config=configs/multi30k_ende.py:rotary: Error whilst parsing config file: "
+            "unknown config variant 'rotary'; known: ['alibi', 'learned', 'local', 'none', "
+            "'relative', 'rope', 'short', 't5_bias']",
+        ),
+        (["--config=configs/missing.py"], "--config: [Errno 2] No such file or directory"),
+    ],
+)
+def test_config_flags_that_cannot_be_used_are_one_line(tmp_path, flags, message):
+    """An unknown override key, config variant or config file: train.py says which in one
+    line (ml_collections raises them as tracebacks) and writes nothing."""
+    result = run(["train.py", f"--workdir={tmp_path / 'run'}", *flags])
+    assert result.returncode == 1 and f"train.py: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_flags_that_cannot_be_used_are_one_line(tmp_path):
+    """eval.py and average.py: a workdir that is not one, an evaluation batch of no rows, an
+    output that is a directory, --split with --input: one line, before any data is read."""
+    save_config(config_lib.base_config(), str(tmp_path))
+    source = tmp_path / "in.en"
+    source.write_text("a man\n", encoding="utf-8")
+    missing = tmp_path / "missing"
+    for args, status, message in [
+        (
+            ["eval.py", f"--workdir={missing}"],
+            2,
+            f"eval.py: error: {missing / 'config.json'} not found: is '{missing}' a train.py",
+        ),
+        (
+            ["average.py", f"--workdir={missing}", "--last=2", f"--output={tmp_path / 'avg'}"],
+            1,
+            f"average.py: {missing / 'config.json'} not found",
+        ),
+        (
+            ["eval.py", f"--workdir={tmp_path}", "--batch_size=0"],
+            2,
+            "eval.py: error: eval.batch_size must be >= 1, got 0",
+        ),
+        (
+            ["eval.py", f"--workdir={tmp_path}", "--split=val", f"--output={tmp_path}"],
+            2,
+            f"eval.py: error: --output={tmp_path} is a directory, not a file",
+        ),
+        (
+            ["eval.py", f"--workdir={tmp_path}", "--split=val", f"--input={source}"],
+            1,
+            "give --split or --input, not both",
+        ),
+    ]:
+        result = run(args)
+        assert result.returncode == status and message in result.stderr, args
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "vocab").exists() and not missing.exists()
 
 
 def test_unknown_config_key_in_config_file():
@@ -73,6 +125,9 @@ def test_d_model_not_divisible_by_heads(tmp_path):
         ("model.num_heads", 0, "model.num_heads must be positive, got 0"),
         ("train.grad_accum_steps", 0, r"train.grad_accum_steps=0 must be an integer >= 1"),
         ("train.peak_tflops", -1.0, r"train.peak_tflops must be >= 0 \(0 = by device kind\)"),
+        ("eval.batch_size", 0, "eval.batch_size must be >= 1, got 0"),
+        ("eval.max_decode_extra", -1, "eval.max_decode_extra must be >= 0, got -1"),
+        ("eval.max_input_tokens", 1, "eval.max_input_tokens must be >= 2, got 1"),
         (
             "train.grad_accum_steps",
             3,
@@ -204,6 +259,13 @@ def test_invalid_utf8_names_the_line(tmp_path):
     path = tmp_path / "bad.en"
     path.write_bytes(b"fine\nalso fine\nbad \xff byte\n")
     with pytest.raises(ValueError, match="line 3"):
+        read_text_lines(str(path))
+
+
+def test_a_truncated_gzip_file_is_named(tmp_path):
+    path = tmp_path / "cut.en.gz"
+    path.write_bytes(gzip.compress(b"a man rides a bike\n" * 100)[:40])
+    with pytest.raises(ValueError, match=f"{path}: not a complete gzip file"):
         read_text_lines(str(path))
 
 

@@ -4,6 +4,7 @@ full forward pass over the whole sequence at every step; top-k / top-p draw only
 numpy computation allows, with its probabilities; temperature 0 is argmax; seeds repeat."""
 
 import dataclasses
+import gzip
 import json
 
 import jax
@@ -347,6 +348,18 @@ def test_sample_py_on_a_tiny_trained_ptb_workdir(tmp_path, tfds_dir):
 
     bad = run(["sample.py", f"--workdir={workdir}", "--top_p=0"])
     assert bad.returncode != 0 and "top_p must lie in (0, 1]" in bad.stderr
+    # Flags that cannot be used: one line, before any generation.
+    truncated = tmp_path / "prompt.txt.gz"
+    truncated.write_bytes(gzip.compress(b"the company said\n" * 50)[:30])
+    for flags, message in [
+        (["--step=7"], f"no checkpoint 7 in {workdir / 'checkpoints'} (it holds [2])"),
+        ([f"--output={tmp_path}"], f"--output={tmp_path} is a directory, not a file"),
+        ([f"--prompt_file={truncated}"], f"{truncated}: not a complete gzip file"),
+        (["--mem_len=0", "--segment_length=8"], "--segment_length sets the segments"),
+    ]:
+        bad = run(["sample.py", f"--workdir={workdir}", *flags])
+        assert bad.returncode == 1 and f"sample.py: {message}" in bad.stderr, flags
+        assert "Traceback" not in bad.stderr and "generated" not in bad.stdout
     translation = tmp_path / "translation"
     translation.mkdir()
     config = json.loads((workdir / "config.json").read_text())

@@ -294,6 +294,9 @@ def test_eval_restores_the_parameters_alone(tmp_path):
     from xformer.params_checkpoint import restore_params
 
     exp = tiny_experiment(tmp_path)
+    message = f"no checkpoint in {tmp_path / 'checkpoints'}: train.py writes them"
+    with pytest.raises(FileNotFoundError, match=message):
+        restore_params(exp)
     state = exp.init_state()
     state["step"] = state["step"] + 7
     exp.checkpointer.save(7, state, {"epoch": 1})

@@ -286,8 +286,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ValueError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
-    if config.eval.beam_size < 1:
-        raise ValueError(f"eval.beam_size must be >= 1, got {config.eval.beam_size}")
+    for key, least in EVAL_MINIMUMS.items():
+        if config.eval[key] < least:
+            raise ValueError(f"eval.{key} must be >= {least}, got {config.eval[key]}")
+
+
+# The least value of each evaluation count (max_input_tokens: a token and EOS).
+EVAL_MINIMUMS = {
+    "batch_size": 1,
+    "beam_size": 1,
+    "max_decode_extra": 0,
+    "bleu_sentences": 0,
+    "max_input_tokens": 2,
+    "max_tokens_per_batch": 1,
+}
 
 
 # What a resumed run may change without changing what it computes: how long it trains, how

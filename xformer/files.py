@@ -1,4 +1,5 @@
-"""JSON files in a workdir: atomic writes, and reads of files that may not be there (yet)."""
+"""Files in a workdir: atomic JSON writes, reads of files that may not be there (yet), and
+checks that an output can be written, made before any compute."""
 
 import json
 import os
@@ -31,3 +32,22 @@ def read_jsonl(path: str) -> list[Any]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def check_writable(directory: str, what: str) -> None:
+    """Make `directory` if needed; raise OSError naming it (as `what`) when that fails or it
+    cannot be written."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{what} {directory}: cannot be made ({e.strerror})") from None
+    if not os.access(directory, os.W_OK):
+        raise PermissionError(f"{what} {directory}: cannot write files there")
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Raise OSError naming `flag` when the file `path` could not be written: it is a directory,
+    or its folder cannot be made or written."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{flag}={path} is a directory, not a file")
+    check_writable(os.path.dirname(os.path.abspath(path)), f"{flag}={path}: its folder")

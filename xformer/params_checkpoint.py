@@ -16,15 +16,23 @@ from xformer.checkpoint import explained_shape_errors
 from xformer.experiment import Experiment
 
 
+def checkpoint_step(exp: Experiment, step: int | None = None) -> int:
+    """`step` (default: the latest) if exp.workdir holds that checkpoint. Raises
+    FileNotFoundError naming the checkpoints there when there is none or not that step."""
+    directory = exp.checkpointer.manager.directory
+    steps = sorted(exp.checkpointer.manager.all_steps())
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {directory}: train.py writes them")
+    if step is not None and step not in steps:
+        raise FileNotFoundError(f"no checkpoint {step} in {directory} (it holds {steps})")
+    return steps[-1] if step is None else step
+
+
 def restore_params(exp: Experiment, step: int | None = None) -> tuple[nnx.State, int]:
     """(parameters, step) of checkpoint `step` (default: the latest) in exp.workdir. Raises
-    FileNotFoundError naming the checkpoints there when there is none or not that step."""
+    FileNotFoundError as checkpoint_step does."""
     manager = exp.checkpointer.manager
-    steps = sorted(manager.all_steps())
-    if not steps or (step is not None and step not in steps):
-        wanted = "a checkpoint" if step is None else f"checkpoint {step}"
-        raise FileNotFoundError(f"no {wanted} in {manager.directory} (it holds {steps or 'none'})")
-    step = steps[-1] if step is None else step
+    step = checkpoint_step(exp, step)
     abstract = exp.abstract_state()
     target = {"step": abstract["step"], "params": abstract["params"]}
     restore_args = jax.tree.map(

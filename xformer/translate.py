@@ -153,12 +153,6 @@ class Translator:
         max_input_tokens: int,
         max_tokens_per_batch: int,
     ):
-        if max_input_tokens < 2:
-            raise ValueError(
-                f"eval.max_input_tokens={max_input_tokens} must be >= 2 (a token and EOS)"
-            )
-        if max_tokens_per_batch < 1:
-            raise ValueError(f"eval.max_tokens_per_batch={max_tokens_per_batch} must be >= 1")
         self.src_tok, self.tgt_tok = src_tok, tgt_tok
         self.beam_size, self.alpha = beam_size, length_penalty
         self.max_decode_extra, self.batch_size = max_decode_extra, batch_size

@@ -36,6 +36,7 @@ from __future__ import annotations
 import gzip
 import re
 import unicodedata
+import zlib
 from pathlib import Path
 
 from absl import logging
@@ -46,10 +47,16 @@ GZIP_MAGIC = b"\x1f\x8b"
 
 
 def read_bytes(path: str | Path) -> bytes:
-    """The content of a file, decompressed if it is gzip (detected by magic bytes)."""
+    """The content of a file, decompressed if it is gzip (detected by magic bytes); a truncated
+    or corrupt gzip file raises ``ValueError`` naming it."""
     with open(path, "rb") as f:
         data = f.read()
-    return gzip.decompress(data) if data[:2] == GZIP_MAGIC else data
+    if data[:2] != GZIP_MAGIC:
+        return data
+    try:
+        return gzip.decompress(data)
+    except (EOFError, OSError, zlib.error) as e:  # truncated or corrupt
+        raise DataValueError(f"{path}: not a complete gzip file ({e})") from None
 
 
 def read_text_lines(path: str | Path) -> list[str]:
