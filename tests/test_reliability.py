@@ -25,7 +25,7 @@ import pytest
 import test_language_modeling as lm
 import test_train_eval as translation
 from test_distributed import final_params, metrics
-from test_grad_accum import tiny_task
+from test_grad_accum import ROWS, tiny_task
 from test_language_modeling import ptb  # noqa: F401 (a fixture)
 
 from xformer import config as config_lib
@@ -179,6 +179,23 @@ def check_nonfinite_step_is_skipped(family: str, workdir: str) -> None:
             lambda a, b: not np.array_equal(a, b), jax.device_get(state["params"]), after["params"]
         )
         assert sum(jax.tree.leaves(changed)) > len(jax.tree.leaves(changed)) / 2
+        # A NaN in row 1's memory: the step is skipped, row 1's memory restarts empty and the
+        # other rows keep the memory this step wrote.
+        states = np.array(state["carry"]["states"])
+        states[:, 1, -1] = np.nan
+        batch = {**task.batch(rng), "reset": np.zeros(ROWS, bool)}
+        poisoned = {**state, "carry": {**state["carry"], "states": states}}
+        after, out = jax.device_get(step(poisoned, batch))
+        clean, _ = jax.device_get(step(state, batch))
+        assert float(out["nonfinite"]) == 1.0
+        assert after["carry"]["filled"][1] == 0 and not after["carry"]["states"][:, 1].any()
+        others = np.arange(ROWS) != 1
+        for name in ("states", "filled"):
+            axis = 1 if name == "states" else 0
+            np.testing.assert_array_equal(
+                np.compress(others, after["carry"][name], axis),
+                np.compress(others, clean["carry"][name], axis),
+            )
 
 
 def test_a_skipped_step_leaves_the_intervals_losses_to_the_others():

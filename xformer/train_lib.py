@@ -180,7 +180,8 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
     grad_norm = optax.tree_utils.tree_norm(grads)
     # A non-finite loss or gradient never reaches the parameters or Adam's state: the step is
-    # skipped (the counter and the data move on; a non-finite carry entry restarts from 0).
+    # skipped (the counter and the data move on; a carry row holding a non-finite value
+    # restarts, as a new stream would).
     finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
 
     def update(params_and_opt_state: tuple) -> tuple:
@@ -198,11 +199,27 @@ def train_step(task, state: dict, rng_state: nnx.State, batch: dict) -> tuple[di
         "step": state["step"] + 1,
         "params": params,
         "opt_state": opt_state,
-        "carry": jax.tree.map(
-            lambda c: jnp.where(finite, c, jnp.nan_to_num(c, posinf=0, neginf=0)), carry
-        ),
+        "carry": restart_nonfinite_rows(carry, task.carry_batch_axes),
     }
     return new_state, {**sums, "grad_norm": grad_norm, "nonfinite": 1.0 - finite}
+
+
+def restart_nonfinite_rows(carry: dict, axes: dict) -> dict:
+    """The carry with every row that holds a non-finite value in any entry set to 0 in every
+    entry (rows on axis axes[name]): for the XL memory, an empty memory (filled 0)."""
+    if not carry:
+        return carry
+    bad = None
+    for name, x in carry.items():
+        others = tuple(i for i in range(x.ndim) if i != axes[name])
+        row_bad = ~jnp.isfinite(x).all(axis=others)
+        bad = row_bad if bad is None else bad | row_bad
+
+    def restart(x: jax.Array, axis: int) -> jax.Array:
+        rows = jnp.expand_dims(bad, tuple(i for i in range(x.ndim) if i != axis))
+        return jnp.where(rows, jnp.zeros((), x.dtype), x)
+
+    return {name: restart(x, axes[name]) for name, x in carry.items()}
 
 
 def split_rows(x: jax.Array, axis: int, k: int) -> jax.Array:
