@@ -325,6 +325,12 @@ def test_a_workdir_resumes_only_its_own_run(tmp_path, tfds_dir, multi30k_dir):
     assert first.returncode == 0, first.stderr[-3000:]
     progress = json.loads((workdir / "checkpoints" / "2" / "progress" / "metadata").read_text())
     assert progress["budget_seconds"] > 0
+    marker = (workdir / "done.json").read_text()
+    again = translation.run(train_cmd("--config.train.num_steps=2"))  # a finished run
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished at step 2 (train.num_steps=2)" in again.stderr
+    assert "train step:" not in again.stderr  # nothing compiled
+    assert (workdir / "done.json").read_text() == marker
 
     changed = translation.run(
         train_cmd("--config.model.d_ff=96", "--config.train.learning_rate=3e-3")

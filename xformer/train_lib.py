@@ -450,7 +450,16 @@ def train_and_evaluate(
     # start so far (up to its last checkpoint) counts, validation passes excluded (a slower
     # machine's evaluations must not take steps away from its training).
     budget_before = float(progress.get("budget_seconds", progress.get("train_seconds", 0.0)))
-    if t.max_train_seconds and budget_before >= t.max_train_seconds and step < t.num_steps:
+    if step >= t.num_steps:
+        reason = "num_steps"
+        logging.info(
+            "already finished at step %d (train.num_steps=%d): nothing to train (raise it to "
+            "train on)",
+            step,
+            t.num_steps,
+        )
+    elif t.max_train_seconds and budget_before >= t.max_train_seconds:
+        reason = "max_train_seconds"
         logging.info(
             "the time budget is spent (%.0f s of train.max_train_seconds=%g) at step %d: "
             "nothing to train (raise it to train on)",
@@ -458,13 +467,16 @@ def train_and_evaluate(
             t.max_train_seconds,
             step,
         )
+    else:
+        reason = None
+    if reason:  # before compiling anything; the finished run's metrics are its marker's
         exp.checkpointer.close()
         writer.close()
-        metrics = (read_json_if_present(done_path) or {}).get("metrics", {})
-        if jax.process_index() == 0:
-            done = {"step": step, "reason": "max_train_seconds", "metrics": metrics}
-            write_json(done_path, done)
-        return {"step": step, "stopped": "max_train_seconds", **metrics}
+        marker = read_json_if_present(done_path)
+        metrics = (marker or {}).get("metrics", {})
+        if jax.process_index() == 0 and (marker is None or reason == "max_train_seconds"):
+            write_json(done_path, {"step": step, "reason": reason, "metrics": metrics})
+        return {"step": step, "stopped": None if reason == "num_steps" else reason, **metrics}
     if jax.process_index() == 0:
         info_path = os.path.join(workdir, RUN_INFO_FILE)
         info = provenance.with_start(
@@ -622,9 +634,8 @@ def train_and_evaluate(
         profiler.close()  # a run that stopped inside the range (time limit, error) keeps its trace
         exp.checkpointer.close()  # waits for the last save; a diverged run saved nothing new
         writer.close()
-    ran = step > start_step or not os.path.exists(done_path)  # keep the marker of a finished run
     finished = step >= t.num_steps or stopped == "max_train_seconds"
-    if jax.process_index() == 0 and finished and ran:
+    if jax.process_index() == 0 and finished:
         reason = "num_steps" if step >= t.num_steps else "max_train_seconds"
         write_json(done_path, {"step": step, "reason": reason, "metrics": last_metrics})
     if stopped == "signal":
