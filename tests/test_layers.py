@@ -5,8 +5,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
+from xformer import config as config_lib
+from xformer import model_config
 from xformer.dropout import Dropout
+from xformer.language_model import LanguageModel
 from xformer.losses import cross_entropy
 from xformer.optim import learning_rate_schedule, make_optimizer
 from xformer.positional.absolute import sinusoidal_encoding
@@ -75,6 +79,42 @@ def test_update_n_applies_the_rate_logged_at_step_n(schedule):
         assert rate > 0, (step, rate)  # no update wasted at a zero rate, first or last
         np.testing.assert_allclose(-updates / jnp.sign(grad), rate, rtol=1e-5, err_msg=str(step))
     assert float(lr(jnp.asarray(t.warmup_steps))) == pytest.approx(0.01)  # the peak
+
+
+def test_weight_decay_shrinks_weights_and_embeddings_not_biases_or_scales():
+    """A zero gradient leaves Adam's step at 0, so one AdamW update is the decay alone:
+    p * (1 - rate * weight_decay) for weights and embeddings, nothing for biases, layer-norm
+    scales and Transformer-XL's u and v."""
+    config = config_lib.lm_base_config("ptb")
+    config_lib.override(
+        config,
+        {
+            "model.d_model": 16,
+            "model.num_heads": 2,
+            "model.d_ff": 24,
+            "model.num_decoder_layers": 1,
+            "train.weight_decay": 0.1,
+            "train.schedule": "constant",
+            "train.warmup_steps": 1,
+            "train.learning_rate": 0.5,
+        },
+    )
+    model = LanguageModel(model_config.from_config(config.model, vocab_size=30), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng()  # random values everywhere: biases start at 0
+    params = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), nnx.state(model, nnx.Param)
+    )
+    optimizer = make_optimizer(config.train)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+    updates = dict(jax.tree.leaves_with_path(updates))
+    seen = set()
+    for path, p in jax.tree.leaves_with_path(params):
+        name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+        seen.add(name)
+        want = 0 * p if name in {"bias", "scale", "u", "v"} else -0.5 * 0.1 * p
+        np.testing.assert_allclose(updates[path], want, rtol=1e-6, err_msg=str(path))
+    assert {"kernel", "bias", "scale", "u", "v"} <= seen  # and the embedding tables, 0, 1, ...
 
 
 def test_rsqrt_schedule_is_the_papers():

@@ -81,7 +81,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.b1 = 0.9
     c.train.b2 = 0.98
     c.train.eps = 1e-9
-    c.train.weight_decay = 0.0
+    c.train.weight_decay = 0.0  # AdamW's decoupled decay of weights and embedding tables (not
+    # of biases or normalisation scales: xformer/optim.py NO_DECAY), scaled by the rate
     c.train.grad_clip_norm = 0.0  # 0 = off
     # A step whose loss or gradient is not finite never updates the parameters or Adam's state.
     # "stop": exit with an error naming the step, saving no checkpoint after it; "skip": go on

@@ -1,5 +1,8 @@
 """Learning-rate schedules and the optax optimizer built from config.train."""
 
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
@@ -28,15 +31,31 @@ def learning_rate_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
     )
 
 
+# Parameters weight decay leaves alone: biases (XL's position biases u and v, the adaptive
+# softmax's cluster bias) and normalisation scales; it decays weights and embedding tables.
+NO_DECAY = frozenset({"bias", "scale", "u", "v", "cluster_bias"})
+
+
+def decay_mask(params: Any) -> Any:
+    """The params pytree with True where weight decay applies (by each leaf's own name)."""
+
+    def decayed(path, _) -> bool:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        return not names or names[-1] not in NO_DECAY
+
+    return jax.tree.map_with_path(decayed, params)
+
+
 def make_optimizer(t: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """Adam(b1, b2=0.98, eps=1e-9) as in the paper; AdamW when weight_decay > 0; optional clip."""
+    """Adam(b1, b2=0.98, eps=1e-9) as in the paper; AdamW when weight_decay > 0 (decoupled, on
+    the parameters of `decay_mask`); optional clipping of the global gradient norm."""
     step_rate = learning_rate_schedule(t)
 
     def schedule(count):  # optax counts the updates already applied: update count + 1 is next
         return step_rate(count + 1)
 
     if t.weight_decay:
-        opt = optax.adamw(schedule, t.b1, t.b2, t.eps, weight_decay=t.weight_decay)
+        opt = optax.adamw(schedule, t.b1, t.b2, t.eps, weight_decay=t.weight_decay, mask=decay_mask)
     else:
         opt = optax.adam(schedule, t.b1, t.b2, t.eps)
     if t.grad_clip_norm:
