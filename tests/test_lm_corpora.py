@@ -1,5 +1,6 @@
 """Tests for the language-modelling corpora (read_corpus, the LM builders) and vocabularies."""
 
+import concurrent.futures
 import gzip
 import hashlib
 import io
@@ -12,7 +13,7 @@ import pytest
 
 from xformer.data import checksums, raw_files
 from xformer.data.builders.byte_streams import CHUNK_BYTES, stream_split_bounds
-from xformer.data.errors import DataDownloadError
+from xformer.data.errors import DataDownloadError, DataValueError
 from xformer.data.readers import prepare_corpus, read_corpus
 from xformer.data.registry import LM_CORPORA, corpus_info
 from xformer.data.vocab import EOS, UNK, ByteVocab, CharVocab, WordVocab, build_vocab
@@ -225,6 +226,23 @@ def test_wikitext103_from_zip(tmp_path):
     assert vocab.decode(ids) == f"{EOS} the {UNK} sat {EOS}"
 
 
+def test_jobs_that_start_together_prepare_a_corpus_once(tmp_path):
+    """Two readers of a fresh data_dir at once (a job array's first start): one prepares it
+    while the other waits for its lock, then reads what it wrote (TFDS refused to rename the
+    second preparation onto the first, and the waiter's builder must reload its splits)."""
+    manual = tmp_path / "ptb"
+    manual.mkdir()
+    for split, text in {"train": "a b\n", "valid": "a\n", "test": "b c\nc\n"}.items():
+        (manual / f"ptb.{split}.txt.gz").write_bytes(gzip.compress(text.encode()))
+    data_dir = str(tmp_path / "tfds")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        reads = [
+            pool.submit(read_corpus, "ptb", "test", data_dir=data_dir, manual_dir=str(manual))
+            for _ in range(2)
+        ]
+        assert [r.result() for r in reads] == [["b c", "c"]] * 2
+
+
 def test_ptb_from_tgz_in_manual_dir_and_gz_files(tmp_path):
     lines = {"train": "a b\n c <unk>\n", "valid": "a\n", "test": "b c\n"}
     manual = tmp_path / "ptb"
@@ -410,7 +428,8 @@ def test_word_vocab_order_unk_and_save(tmp_path):
     ids = vocab.encode_lines(lines)
     assert ids.tolist() == [2, 1, 2, 0, 3, 1, 0, 0, 1, 0] and ids.dtype == np.int32
     assert vocab.encode([]).shape == (0,)
-    with pytest.raises(ValueError, match="'zebra' is not in the vocabulary"):
+    message = "'zebra' is not in the vocabulary, which has no <unk> .* set data.vocab_size"
+    with pytest.raises(DataValueError, match=message):  # one line from train.py and eval.py
         vocab.encode(["a zebra"])
     with_unk = WordVocab.build(["a <unk> a"])
     assert with_unk.encode(["zebra a"]).tolist() == [with_unk.unk_id, 0, with_unk.eos_id]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -29,6 +30,7 @@ from typing import Any
 import tensorflow_datasets as tfds
 from etils import epath
 
+from xformer import locks
 from xformer.data import checksums, raw_files, registry
 from xformer.data.errors import DataDownloadError, DataFileNotFoundError, DataValueError
 from xformer.data.raw_files import DATA_DIR_ENV, RawFiles
@@ -155,6 +157,24 @@ def prepare(
     # (`builder.is_prepared()` logs a warning when the directory does not exist.)
     if (builder.data_path / "dataset_info.json").exists():
         return builder
+    path = os.fspath(builder.data_path)
+    if "://" in path:  # an object store has no file locks
+        return _download_and_prepare(builder, name, folder, manual_dir, hint)
+
+    def on_wait(holder: dict) -> None:
+        logger.info("waiting for %s, which is preparing %s", locks.describe(holder), path)
+
+    # Jobs that share a data_dir and start together prepare it once: the others wait, then load.
+    with locks.waiting(path + ".lock", on_wait):
+        if (builder.data_path / "dataset_info.json").exists():  # prepared while we waited
+            builder.info.read_from_directory(builder.data_path)
+            return builder
+        return _download_and_prepare(builder, name, folder, manual_dir, hint)
+
+
+def _download_and_prepare(
+    builder: tfds.core.DatasetBuilder, name: str, folder: str, manual_dir: str | None, hint: str
+) -> tfds.core.DatasetBuilder:
     resolved = raw_files.resolve_manual_dir(folder, manual_dir)
     config = tfds.download.DownloadConfig(manual_dir=resolved)
     try:
