@@ -277,6 +277,17 @@ def test_an_eval_of_an_earlier_step_is_not_the_runs_result(tmp_path):
     assert f"**Note.** {note}" in compare.to_markdown(result)
 
 
+def test_a_nan_validation_value_is_never_the_best(tmp_path):
+    """max and min keep a NaN that comes first (every comparison with it is False): the best
+    validation BLEU is the best number."""
+    bleu = np.random.default_rng().uniform(10, 40)
+    rows = [train_row(100, 10.0), val_row(100, 10.0, bleu=float("nan"), lc_tok_bleu=1.0)]
+    rows += [val_row(200, 20.0, bleu=bleu, lc_tok_bleu=2.0), val_row(300, 30.0, bleu=bleu / 2)]
+    result = compare.compare([make_run(tmp_path / "a", translation_config(), rows)])
+    table = list(csv.DictReader(io.StringIO(compare.to_csv(result))))
+    assert float(table[0]["best_val_bleu"]) == bleu and table[0]["best_val_bleu_step"] == "200"
+
+
 def test_a_shell_expanded_glob_skips_what_is_not_a_workdir(tmp_path):
     """`eval.py --compare dir/*` again, after compare wrote compare.md, .csv and .png into dir:
     among several arguments, existing paths that are not workdirs are skipped. A path named

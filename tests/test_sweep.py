@@ -629,3 +629,10 @@ def test_a_finished_point_gets_an_hparams_session(tmp_path):
         assert values["test/perplexity"].simple_value == want
     assert values["train/final_loss"].simple_value == 3.5
     assert len(list((workdir / "tensorboard" / "hparams").iterdir())) == 1
+
+    # Trained further without evaluating again: the step-6 test result is not the point's.
+    (workdir / "done.json").write_text(json.dumps({**done, "step": 9, "metrics": {"loss": 3.0}}))
+    sweep.write_hparams(str(workdir), point, refresh=True)
+    events = read_events(workdir / "tensorboard" / "hparams")
+    tags = {v.tag for e in events for v in e.summary.value}
+    assert "train/final_loss" in tags and "test/perplexity" not in tags

@@ -281,7 +281,7 @@ def compare(workdirs: Sequence[str]) -> Comparison:
             *([run_mfu] if has_mfu else []),
         ]
         for m in metrics:
-            curve = run.curve(m)
+            curve = [p for p in run.curve(m) if not math.isnan(p[2])]  # (a diverged pass)
             pick = max if m.higher_is_better else min
             best = pick(curve, key=lambda p: p[2]) if curve else None
             row += [

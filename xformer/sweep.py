@@ -345,9 +345,10 @@ def write_hparams(workdir: str, point: Point, refresh: bool = False) -> None:
         shutil.rmtree(logdir)
     run = compare_lib.Run.load(workdir)
     metrics = {}
+    test = None if run.stale_test() else run.test  # (of an earlier step: not the point's)
     for m in run.metrics():
-        if run.test is not None and run.test.get(m.eval_key) is not None:
-            metrics[f"test/{m.name}"] = float(run.test[m.eval_key])
+        if test is not None and test.get(m.eval_key) is not None:
+            metrics[f"test/{m.name}"] = float(test[m.eval_key])
     final = (run.done or {}).get("metrics", {})
     if "loss" in final:
         metrics["train/final_loss"] = float(final["loss"])
