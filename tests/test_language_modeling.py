@@ -17,10 +17,13 @@ import pytest
 from flax import nnx
 
 from xformer.config import lm_base_config
+from xformer.data.errors import DataValueError
 from xformer.data.lm_stream import TrainStream, sliding_windows
+from xformer.files import read_jsonl
 from xformer.language_model import LanguageModel, reset_memory
 from xformer.tasks import make_task
 from xformer.tasks.language_modeling import EvalSettings, LanguageModelingTask
+from xformer.train_lib import train_and_evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -328,6 +331,17 @@ def test_a_shared_vocab_dir_keeps_one_vocabulary_per_training_split(tmp_path, tf
         sizes[split] = len(task.vocab)
     assert sizes["train"] == 10_000 and sizes["train[:300]"] < 5_000, sizes
     assert len(list((tmp_path / "vocab").glob("*.vocab"))) == 2
+
+
+@pytest.mark.usefixtures("ptb")
+def test_a_validation_split_that_cannot_be_read_fails_before_training(tmp_path, tfds_dir):
+    """A misspelt data.eval_split stops the run before its first step (it failed at the first
+    evaluation, train.eval_every steps in, with nothing checkpointed)."""
+    overrides = {"data.eval_split": "vaild", "train.num_steps": 2, "train.eval_every": 2}
+    with pytest.raises(DataValueError, match="Unknown split 'vaild' for corpus 'ptb'"):
+        train_and_evaluate(tiny_config(tfds_dir, **overrides), str(tmp_path))
+    assert not read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert not list((tmp_path / "checkpoints").glob("*"))
 
 
 def test_prefix_lm_evaluation_scores_each_token_once_and_never_inside_the_prefix():

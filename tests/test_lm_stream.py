@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from xformer.data.errors import DataValueError
 from xformer.data.lm_stream import TrainStream, eval_segments, sliding_windows
 
 
@@ -39,6 +40,15 @@ def test_train_stream_resumes_and_splits_rows_between_processes():
         x, y = next(a), next(b)
         for key in x:
             np.testing.assert_array_equal(x[key], y[key])
+    # A position past this stream's epoch (a checkpoint of a longer data.segment_length or
+    # smaller batch): the next epoch starts, where it served batches of no tokens forever.
+    shorter = TrainStream(stream, 4, 64)
+    shorter.set_state({"epoch": 2, "segment": 5})
+    first = next(shorter)
+    assert shorter.get_state() == {"epoch": 3, "segment": 1} and first["reset"].all()
+    np.testing.assert_array_equal(first["inputs"], next(TrainStream(stream, 4, 64))["inputs"])
+    with pytest.raises(DataValueError, match="a stream of 3 tokens is too short for batch_size=4"):
+        TrainStream(stream[:3], 4, 16)
     full = next(TrainStream(stream, 4, 16))
     half = next(TrainStream(stream, 4, 16, rows=slice(2, 4)))
     np.testing.assert_array_equal(half["inputs"], full["inputs"][2:])

@@ -375,6 +375,7 @@ def test_more_steps_resume_except_under_a_cosine_schedule():
         old.train.schedule = schedule
         new = old.copy_and_resolve_references()
         new.train.num_steps, new.train.eval_every = old.train.num_steps * 2, 7
+        new.data.eval_split, new.data.test_split = "valid[:50%]", "valid"  # (what is scored)
         changes = config_lib.unresumable_changes(old, new)
         assert changes == (
             {"train.num_steps": (old.train.num_steps, new.train.num_steps)} if refused else {}

@@ -339,3 +339,8 @@ def test_a_resumed_run_restores_onto_shapes_alone(tmp_path, tfds_dir, multi30k_d
     config.train.num_steps = 3
     assert train_and_evaluate(config, str(tmp_path))["step"] == 3
     assert sorted(train_metric(tmp_path)) == [1, 2, 3]
+    # Two input shards cannot take one shard's data position: one line naming the key.
+    config.train.num_steps, config.data.input_shards = 4, 2
+    message = r"the checkpoint's data position does not fit .* data.input_shards"
+    with pytest.raises(config_lib.ConfigError, match=message):
+        train_and_evaluate(config, str(tmp_path), accept_config_changes=True)

@@ -322,6 +322,8 @@ RESUMABLE = (
     "data.data_dir",
     "data.manual_dir",
     "data.vocab_dir",
+    "data.eval_split",
+    "data.test_split",
 )
 
 

@@ -434,6 +434,7 @@ def train_and_evaluate(
     t = config.train
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     data_iter = task.train_batches()
+    task.prepare_evaluation()  # a validation split that cannot be read fails before training
 
     carry, progress = task.init_carry(), {}
     if exp.checkpointer.latest_step() is None:
@@ -441,7 +442,13 @@ def train_and_evaluate(
     else:  # onto shapes: a resumed run neither initialises nor holds a second train state
         state, data_state = exp.checkpointer.restore(exp.abstract_state(carry))
         progress = exp.checkpointer.progress()
-        data_iter.set_state(data_state)
+        try:
+            data_iter.set_state(data_state)
+        except (KeyError, TypeError, ValueError) as e:  # another input pipeline wrote it
+            raise config_lib.ConfigError(
+                f"the checkpoint's data position does not fit this run's input pipeline "
+                f"(was data.input_shards or the data changed?): {e!r}"
+            ) from e
         logging.info("resumed from step %d", int(state["step"]))
     step = int(state["step"])
     rng_state = exp.rng_state

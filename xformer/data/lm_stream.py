@@ -13,6 +13,9 @@ Every batch is {"inputs", "targets": [B, L] int32, "weights": [B, L] float32 (0 
 from collections.abc import Iterator
 
 import numpy as np
+from absl import logging
+
+from xformer.data.errors import DataValueError
 
 
 def _segment(rows_in, rows_out, start, length, reset) -> dict[str, np.ndarray]:
@@ -44,7 +47,7 @@ class TrainStream:
     ):
         row_len = (len(stream) - 1) // batch_size
         if row_len < 1:
-            raise ValueError(
+            raise DataValueError(
                 f"a stream of {len(stream)} tokens is too short for batch_size={batch_size}"
             )
         cut = np.asarray(stream[: batch_size * row_len + 1], np.int32)
@@ -61,7 +64,7 @@ class TrainStream:
         start = self.segment * self.segment_length
         batch = _segment(self.inputs, self.targets, start, self.segment_length, self.segment == 0)
         self.segment += 1
-        if self.segment == self.segments_per_epoch:
+        if self.segment >= self.segments_per_epoch:
             self.epoch, self.segment = self.epoch + 1, 0
         return batch
 
@@ -69,7 +72,19 @@ class TrainStream:
         return {"epoch": self.epoch, "segment": self.segment}
 
     def set_state(self, state: dict) -> None:
+        """Resume at `state`; a position past this stream's epoch (a checkpoint of another
+        data.segment_length, train.batch_size or corpus) starts the next epoch."""
         self.epoch, self.segment = int(state["epoch"]), int(state["segment"])
+        if self.segment >= self.segments_per_epoch:
+            logging.warning(
+                "the checkpoint's data position (segment %d of epoch %d) is past this stream's "
+                "%d segments per epoch: epoch %d starts",
+                self.segment,
+                self.epoch,
+                self.segments_per_epoch,
+                self.epoch + 1,
+            )
+            self.epoch, self.segment = self.epoch + 1, 0
 
 
 def eval_segments(

@@ -14,6 +14,7 @@ import numpy as np
 from absl import logging
 from grain import experimental as grain_exp
 
+from xformer.data.errors import DataValueError
 from xformer.data.packing import PackedPairs, join_rows
 from xformer.data.tokenizer import PAD_ID, Tokenizer
 
@@ -119,7 +120,7 @@ def packed_train_dataset(
             max_length,
         )
     if len(keep) < num_shards:
-        raise ValueError(
+        raise DataValueError(
             f"{len(keep)} training pairs fit data.max_train_length={max_length}: too few for "
             f"{num_shards} input shards"
         )

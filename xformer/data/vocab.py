@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from xformer.data.errors import DataValueError
+
 if TYPE_CHECKING:
     from xformer.data.registry import DatasetEntry
 
@@ -151,7 +153,11 @@ class WordVocab(SymbolVocab):
             )
             if self.unk_id is None and (ids < 0).any():
                 token = tokens[int(np.argmax(ids < 0))]
-                raise ValueError(f"token {token!r} is not in the vocabulary, which has no {UNK}")
+                raise DataValueError(
+                    f"token {token!r} is not in the vocabulary, which has no {UNK} (it holds "
+                    "the training split's tokens: train on a larger split, or set "
+                    f"data.vocab_size to keep the most frequent ones and add {UNK})"
+                )
             parts.append(ids)
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
@@ -240,7 +246,7 @@ class CharVocab(SymbolVocab):
         ids = self._table[np.minimum(codes, len(self._table) - 1)]
         if (ids < 0).any():
             char = chr(codes[int(np.argmax(ids < 0))])
-            raise ValueError(f"character {char!r} is not in the vocabulary")
+            raise DataValueError(f"character {char!r} is not in the vocabulary")
         return ids
 
     def unknown_chars(self, text: str) -> collections.Counter[str]:

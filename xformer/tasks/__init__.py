@@ -4,7 +4,8 @@ A task exposes `exp` (the shared Experiment), `train_batches()` (a host-local ba
 with get_state/set_state), `init_carry()` (state carried from step to step, e.g. an XL memory:
 a flat dict of arrays whose batch-row axes `carry_batch_axes` names, {name: axis}),
 `loss_terms(model, batch, carry) -> (loss_sum, sums, carry)` where sums holds "nll_sum",
-"tokens" (scored) and "input_tokens", and `evaluate(params, rng_state) -> (metrics, summary line)`.
+"tokens" (scored) and "input_tokens", `prepare_evaluation()` (read the validation split before
+training) and `evaluate(params, rng_state) -> (metrics, summary line)`.
 """
 
 import jax

@@ -159,7 +159,10 @@ class LanguageModelingTask:
             fingerprint = {"files": record_files(source), "vocab": vocab_id}
 
             def encode() -> dict[str, np.ndarray]:  # (WordVocab.encode is encode_lines)
-                return {"ids": self.vocab.encode(corpus_text(d.dataset, source))}
+                try:
+                    return {"ids": self.vocab.encode(corpus_text(d.dataset, source))}
+                except DataValueError as e:
+                    raise DataValueError(f"{d.dataset} split {split!r}: {e}") from None
 
             cache_dir = os.path.join(self._vocab_dir, "encoded")
             name = f"{d.dataset}-{split}"
@@ -187,6 +190,11 @@ class LanguageModelingTask:
         return loss_terms(model, batch, carry)
 
     # Evaluation -------------------------------------------------------------------------------
+
+    def prepare_evaluation(self) -> None:
+        """Read and encode the validation split (data.eval_split) now, not at the first
+        evaluation: a split the vocabulary cannot encode fails before training."""
+        self.stream(self.config.data.eval_split)
 
     def evaluate(self, params, rng_state) -> tuple[dict, str]:
         result = self.score(params, rng_state, self.config.data.eval_split)
@@ -219,7 +227,7 @@ class LanguageModelingTask:
     ) -> dict:
         """NLL of every token of `stream` (int32 ids) exactly once; see `score`."""
         if not len(stream):
-            raise ValueError("there are no tokens to score")
+            raise DataValueError("there are no tokens to score")
         s = settings or EvalSettings.from_config(self.config)
         model_cfg = dataclasses.replace(
             self.exp.model_cfg, clamp_len=s.clamp_len, decoder_mask=s.decoder_mask
@@ -269,7 +277,7 @@ class LanguageModelingTask:
         bits = {"bpc": nll / math.log(2)} if self.corpus.metric == "bpc" else {}  # per symbol
         return {
             "nll": nll,
-            "perplexity": math.exp(nll),
+            "perplexity": float(np.exp(nll)),  # inf, not OverflowError, past 709 nats
             **bits,
             "tokens": tokens,
             "seconds": seconds,

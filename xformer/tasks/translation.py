@@ -145,9 +145,14 @@ class TranslationTask:
         loss_sum, sums = loss_terms(model, batch, self.config.train.label_smoothing)
         return loss_sum, sums, carry
 
-    def evaluate(self, params, rng_state) -> tuple[dict, str]:
+    def prepare_evaluation(self) -> None:
+        """Read and encode the validation split (data.eval_split) now, not at the first
+        evaluation."""
         if self._evaluator is None:
             self._evaluator = Evaluator(self, self.config.data.eval_split)
+
+    def evaluate(self, params, rng_state) -> tuple[dict, str]:
+        self.prepare_evaluation()
         val = self._evaluator.loss(params, rng_state)
         bleu, hyps = self._evaluator.bleu(params, rng_state, self.config.eval.bleu_sentences)
         val.update(bleu=bleu["sacrebleu"], lc_tok_bleu=bleu["lc_tok_bleu"])
