@@ -288,6 +288,26 @@ def test_a_nan_validation_value_is_never_the_best(tmp_path):
     assert float(table[0]["best_val_bleu"]) == bleu and table[0]["best_val_bleu_step"] == "200"
 
 
+def test_test_results_of_different_evaluation_settings_are_flagged(tmp_path):
+    """Runs whose eval_test.json used other evaluation lengths (eval.py --mem_len=...) get a
+    note naming the keys that differ; the same settings get none."""
+    rng = np.random.default_rng()
+
+    def run(name, mem_len):
+        test = {"step": 10, "metric": "perplexity", "perplexity": rng.uniform(80, 200)}
+        test.update(eval_batch_size=10, eval_mem_len=mem_len, eval_decoder_mask="causal")
+        rows = [train_row(10, 1.0), val_row(10, 1.0, split="valid", perplexity=150.0)]
+        return make_run(tmp_path / name, lm_base_config("ptb"), rows, test=test)
+
+    same = compare.compare([run("a", 64), run("b", 64)])
+    assert same.notes == []
+    mixed = compare.compare([run("c", 64), run("d", 640)])
+    assert mixed.notes == [
+        "The test results were evaluated with different settings (c: eval_mem_len=64; d: "
+        "eval_mem_len=640): rerun eval.py with the same flags to compare them."
+    ]
+
+
 def test_a_shell_expanded_glob_skips_what_is_not_a_workdir(tmp_path):
     """`eval.py --compare dir/*` again, after compare wrote compare.md, .csv and .png into dir:
     among several arguments, existing paths that are not workdirs are skipped. A path named

@@ -264,12 +264,14 @@ def compare(workdirs: Sequence[str]) -> Comparison:
     metric_columns = {}
     for m in metrics:
         metric_columns[f"best_{val}_{m.name}"] = metric_columns[f"{test}_{m.name}"] = m
-    rows, notes = [], commit_notes(runs, names)
+    rows, notes, shown = [], commit_notes(runs, names), {}
     for name, run, run_mfu in zip(names, runs, mfu, strict=True):
         stale = run.stale_test()
         if stale:
             notes.append(f"{name}: {stale}")
         test_result = None if stale else run.test
+        if test_result is not None:
+            shown[name] = test_result
         row = [
             name,
             *(run.config.get(k) for k in differing),
@@ -290,6 +292,7 @@ def compare(workdirs: Sequence[str]) -> Comparison:
                 test_result.get(m.eval_key) if test_result else None,
             ]
         rows.append(row)
+    notes += settings_notes(shown)
     return Comparison(runs, names, differing, metrics, columns, rows, notes, metric_columns)
 
 
@@ -376,6 +379,34 @@ def seeds_to_csv(groups: list[SeedGroup], columns: Sequence[str]) -> str:
             row += [mean, std, n, g.best.get(c), g.within_noise.get(c)]
         writer.writerow(["" if v is None else v for v in row])
     return out.getvalue()
+
+
+# The keys of eval.py's results that say how it evaluated (other settings, another measure):
+# translation's search, and a language model's eval_* lengths, memory and mask.
+TRANSLATION_EVAL_SETTINGS = ("beam_size", "length_penalty", "max_decode_extra", "max_input_tokens")
+
+
+def settings_notes(tests: dict[str, dict]) -> list[str]:
+    """A warning when the test results shown ({run name: eval json}) were evaluated with
+    different settings, naming the keys that differ and each run's values."""
+    settings = {
+        name: {k: v for k, v in t.items() if k in TRANSLATION_EVAL_SETTINGS or k[:5] == "eval_"}
+        for name, t in tests.items()
+    }
+    keys = sorted(
+        key
+        for key in {k for s in settings.values() for k in s}
+        if len({json.dumps(s.get(key)) for s in settings.values()}) > 1
+    )
+    if not keys:
+        return []
+    values = "; ".join(
+        f"{name}: " + ", ".join(f"{k}={s.get(k)}" for k in keys) for name, s in settings.items()
+    )
+    return [
+        f"The test results were evaluated with different settings ({values}): rerun eval.py "
+        "with the same flags to compare them."
+    ]
 
 
 def commit_notes(runs: Sequence[Run], names: Sequence[str]) -> list[str]:
