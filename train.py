@@ -82,10 +82,10 @@ def parse_flags(argv: list[str]) -> list[str]:
         return remaining
     except flags.Error as e:  # its message may hold the config file's traceback
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        reason = lines[0]
+        reason = lines[0].replace(" Error whilst parsing config file:", "")
         if len(lines) > 1:
             reason += " " + re.sub(r"^\w+: ", "", lines[-1])  # the exception, less its type
-        sys.exit(f"train.py: {reason}\nPass --helpshort or --helpfull to see help on flags.")
+        sys.exit(f"train.py: {reason} (--helpshort lists the flags)")
     except (AttributeError, KeyError) as e:  # an override names a key the config lacks
         text = str(e)
         while len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":

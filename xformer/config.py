@@ -259,7 +259,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"data.max_pairs_per_row must be >= 0 (0 = no limit), got {d.max_pairs_per_row}"
         )
-    for key in ("batch_size", "num_steps", "log_every", "eval_every", "checkpoint_every"):
+    for key in (
+        "batch_size",
+        "num_steps",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+    ):
         if t[key] <= 0:
             raise ValueError(f"train.{key} must be positive, got {t[key]}")
     k = t.grad_accum_steps
