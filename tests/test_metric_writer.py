@@ -43,6 +43,24 @@ def test_scalars_reach_the_jsonl_file_and_the_event_file(tmp_path):
         assert logged[key] == pytest.approx(float(value), rel=1e-6), key  # float32 on disk
 
 
+def test_a_resumed_writer_drops_the_steps_after_its_checkpoint(tmp_path):
+    """A run killed after step 5 but resumed from checkpoint 3 logs steps 4 and 5 again: their
+    old rows go (and a line cut by the kill); TensorBoard is told to purge from step 4."""
+    writer = MetricWriter(str(tmp_path))
+    for step in range(1, 6):
+        writer.write(step, {"loss": float(step)}, prefix="train/")
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "train/lo')
+    resumed = MetricWriter(str(tmp_path), resume_step=3)
+    resumed.write(4, {"loss": 40.0}, prefix="train/")
+    resumed.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/loss"]) for r in lines] == [(1, 1), (2, 2), (3, 3), (4, 40)]
+    starts = [e.step for e in read_events(tmp_path / "tensorboard") if e.HasField("session_log")]
+    assert starts == [4]  # (TensorBoard drops the earlier files' events from step 4 on)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_tensorboardx_is_imported_without_torch():
     code = "import sys, xformer.metric_writer; print('torch' in sys.modules)"

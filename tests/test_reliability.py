@@ -61,6 +61,7 @@ def kill_at(cmd: list[str], tmp_path: Path, fault: str, sig: int) -> tuple[int, 
     """Run `cmd` until it stalls at `fault` ("commit:<step>" or "step:<step>"), send `sig`,
     and return its exit status and log."""
     marker, log = tmp_path / f"stalled-{fault}", tmp_path / f"log-{fault}-{sig}"
+    marker.unlink(missing_ok=True)  # (an earlier kill at the same fault wrote it)
     proc = start(cmd, log, f"{fault}:{marker}")
     wait_for(marker, proc, log)
     proc.send_signal(sig)
@@ -88,11 +89,33 @@ def test_interrupted_run_equals_uninterrupted_bit_for_bit(family, tmp_path, tfds
     assert status == EXIT_STOPPED, log[-3000:]
     assert "resumed from step 2" in log and "stopped by SIGTERM at step 5" in log
     assert translation.checkpoint_steps(run) == [4, 5]
-    # kill -9 between checkpoints (after step 6 ran, before it was saved), then finish.
+    # kill -9 between checkpoints (after step 6 ran, before it was saved).
     status, log = kill_at(cmd, tmp_path, "step:6", signal.SIGKILL)
     assert status == -signal.SIGKILL and "resumed from step 5" in log, log[-3000:]
+    # SIGTERM after the last step: checkpoint 6, status 75, and the final validation it
+    # skips is the next start's, which trains nothing and then marks the run done.
+    status, log = kill_at(cmd, tmp_path, "step:6", signal.SIGTERM)
+    assert status == EXIT_STOPPED and "resumed from step 5" in log, log[-3000:]
+    assert not (run / "done.json").exists()
     result = translation.run(cmd)
-    assert result.returncode == 0 and "resumed from step 5" in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "already finished at step 6" in result.stderr
+    done, ref_done = (json.loads((d / "done.json").read_text()) for d in (run, ref))
+    val = [
+        k for k in ref_done["metrics"] if k[:4] == "val_" and not k.endswith(("seconds", "_per_s"))
+    ]
+    assert val and {k: done["metrics"][k] for k in val} == {k: ref_done["metrics"][k] for k in val}
+
+    # Each step logged once: a resumed run drops the rows its killed start logged after the
+    # checkpoint it resumes from (here steps 3-4, and 6 twice).
+    def logged_steps(workdir: Path) -> tuple[list[int], list[int]]:
+        """The steps of the training rows and of the validation rows of metrics.jsonl."""
+        rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+        val = [r for r in rows if any(k.endswith("/nll") and k[:6] != "train/" for k in r)]
+        return [r["step"] for r in rows if "train/loss" in r], [r["step"] for r in val]
+
+    assert logged_steps(run) == logged_steps(ref) == ([1, 2, 3, 4, 5, 6], logged_steps(ref)[1])
+    assert logged_steps(ref)[1][-1] == 6
 
     want, have = final_params(ref, 6), final_params(run, 6)
     assert have.keys() == want.keys()
@@ -338,6 +361,13 @@ def test_a_workdir_resumes_only_its_own_run(tmp_path, tfds_dir, multi30k_dir):
     assert changed.returncode != 0
     assert "model.d_ff: 64 -> 96; train.learning_rate: " in changed.stderr
     assert "--accept_config_changes" in changed.stderr
+    # Accepted, the checkpoint cannot restore onto the wider model: one line, and config.json
+    # still describes the checkpoints (it was overwritten before the restore failed).
+    forced = translation.run(train_cmd("--config.model.d_ff=96", "--accept_config_changes"))
+    assert forced.returncode == 1 and "Traceback" not in forced.stderr
+    assert "train.py: The checkpoints in " in forced.stderr
+    assert "arrays of other shapes than this model's" in forced.stderr
+    assert json.loads((workdir / "config.json").read_text())["model"]["d_ff"] == 64
 
     # More steps, under a budget the first run already spent: it stops before any step (a
     # budget per start would run on for most of a second run's worth of seconds), and so does

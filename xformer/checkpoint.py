@@ -1,6 +1,7 @@
 """Resumable orbax checkpoints of the train state plus the input pipeline's position."""
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 
@@ -13,6 +14,10 @@ from xformer import distributed, faults
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (its temporary directory is never committed)."""
+
+
+class CheckpointShapeError(ValueError):
+    """A checkpoint holds arrays of other shapes than the model restoring it."""
 
 
 class Checkpointer:
@@ -91,6 +96,8 @@ class Checkpointer:
         """Restore onto `target` (a pytree of arrays or ShapeDtypeStructs with shardings)."""
         step = self._step(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        state_dir = os.path.join(os.fspath(self.manager.directory), str(step), "state")
+        check_shapes(state_dir, abstract, self.manager.directory)  # before any array is read
         with explained_shape_errors(self.manager.directory):
             restored = self.manager.restore(
                 step,
@@ -126,20 +133,58 @@ class Checkpointer:
         self.manager.close()
 
 
+def _leaf_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{path: shape} of the arrays of `tree`, each path as strings without nnx's "value"
+    attribute (a checkpoint's metadata spells it as a dict key)."""
+
+    def name(key) -> str:
+        return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+
+    return {
+        tuple(n for n in map(name, path) if n != "value"): tuple(x.shape)
+        for path, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def check_shapes(state_dir: str, target, directory: object) -> None:
+    """Raise CheckpointShapeError when an array of `target` is stored in `state_dir` with
+    another shape (found from the metadata: a failed restore leaves orbax's threads running)."""
+    absl_logger = logging.getLogger("absl")  # (orbax warns of a metadata file it never writes)
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        tree = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
+    finally:
+        absl_logger.setLevel(level)
+    stored, wanted = _leaf_shapes(tree), _leaf_shapes(target)
+    differ = [(p, stored[p], s) for p, s in wanted.items() if p in stored and stored[p] != s]
+    if differ:
+        path, have, want = differ[0]
+        raise CheckpointShapeError(
+            f"The checkpoints in {directory} hold {len(differ)} arrays of other shapes than this "
+            f"model's (e.g. {'/'.join(path)}: {have}, the model's {want}): {SHAPE_CAUSES}"
+        )
+
+
+SHAPE_CAUSES = (
+    "another model config, or an earlier xformer (until 2026-11-27 attention's q/k/v kernels "
+    "were [d, 3d] and its k/v kernels [d, 2d], now [d, 3, d], [d, 2, d]; and adaptive embedding "
+    "tables had as many rows as their tokens, now rounded up to a multiple of 8)"
+)
+
+
 @contextlib.contextmanager
 def explained_shape_errors(directory: object) -> Iterator[None]:
-    """Orbax's error for a stored array of another shape, with its likely causes."""
+    """Orbax's error for a stored array of another shape, with its likely causes, as a
+    CheckpointShapeError."""
     try:
         yield
     except ValueError as error:
         if "not compatible with the stored shape" not in str(error):
             raise
-        raise ValueError(
-            f"{error}\nThe checkpoints in {directory} hold parameters of other shapes than this "
-            "model's: another model config, or an earlier xformer (until 2026-11-27 attention's "
-            "q/k/v kernels were [d, 3d] and its k/v kernels [d, 2d], now [d, 3, d], [d, 2, d]; "
-            "and adaptive embedding tables had as many rows as their tokens, now rounded up to "
-            "a multiple of 8)"
+        raise CheckpointShapeError(
+            f"{error} The checkpoints in {directory} hold parameters of other shapes than this "
+            f"model's: {SHAPE_CAUSES}"
         ) from error
 
 

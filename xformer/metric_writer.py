@@ -42,12 +42,20 @@ def tensorboard_tag(name: str) -> str:
 
 
 class MetricWriter:
-    def __init__(self, workdir: str, enabled: bool = True):
+    """Appends to metrics.jsonl and the TensorBoard events. A run resumed from checkpoint
+    `resume_step` first drops the rows and events of later steps (a killed run logged them after
+    its last checkpoint; the resumed run logs them again)."""
+
+    def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
         self.enabled = enabled
         if enabled:
             os.makedirs(workdir, exist_ok=True)
-            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            path = os.path.join(workdir, "metrics.jsonl")
+            if resume_step is not None and os.path.exists(path):
+                _drop_rows_after(path, resume_step)
+            self._jsonl = open(path, "a")  # noqa: SIM115
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge)
 
     def write(self, step: int, metrics: dict, prefix: str = "") -> None:
         if not self.enabled:
@@ -67,6 +75,25 @@ class MetricWriter:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def _drop_rows_after(path: str, step: int) -> None:
+    """Rewrite the JSONL file `path` without its rows of steps after `step` (and any torn last
+    line), under a temporary name renamed over it."""
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def write_hparams_summary(logdir: str, hparams: dict, metrics: dict, step: int) -> None:

@@ -19,6 +19,7 @@ from xformer import config as config_lib
 from xformer import distributed, faults, op_profile, provenance, sharding
 from xformer import experiment as experiment_lib
 from xformer import flops as flops_lib
+from xformer.checkpoint import CheckpointShapeError
 from xformer.dispatch import DispatchWindow
 from xformer.files import read_json_if_present, write_json
 from xformer.optim import learning_rate_schedule
@@ -430,28 +431,65 @@ def train_and_evaluate(
     # A resumed run needs the vocabulary it was trained with: never a new one.
     task = make_task(config, workdir, train_if_missing=not experiment_lib.has_checkpoint(workdir))
     exp = task.exp
-    experiment_lib.save_config(config, workdir)
     t = config.train
-    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     data_iter = task.train_batches()
     task.prepare_evaluation()  # a validation split that cannot be read fails before training
 
-    carry, progress = task.init_carry(), {}
-    if exp.checkpointer.latest_step() is None:
+    carry, progress, resumed = task.init_carry(), {}, exp.checkpointer.latest_step() is not None
+    if not resumed:
         state = exp.init_state(carry)
     else:  # onto shapes: a resumed run neither initialises nor holds a second train state
-        state, data_state = exp.checkpointer.restore(exp.abstract_state(carry))
+        try:
+            state, data_state = exp.checkpointer.restore(exp.abstract_state(carry))
+        except CheckpointShapeError as e:
+            exp.checkpointer.close()  # (its threads would outlive the exit, each with a stack)
+            raise config_lib.ConfigError(str(e)) from e
         progress = exp.checkpointer.progress()
         try:
             data_iter.set_state(data_state)
         except (KeyError, TypeError, ValueError) as e:  # another input pipeline wrote it
+            exp.checkpointer.close()
             raise config_lib.ConfigError(
                 f"the checkpoint's data position does not fit this run's input pipeline "
                 f"(was data.input_shards or the data changed?): {e!r}"
             ) from e
         logging.info("resumed from step %d", int(state["step"]))
     step = int(state["step"])
+    # Only now: a resume that fails leaves config.json describing the checkpoints.
+    experiment_lib.save_config(config, workdir)
+    writer = MetricWriter(
+        workdir, enabled=jax.process_index() == 0, resume_step=step if resumed else None
+    )
     rng_state = exp.rng_state
+    evaluating = 0.0  # seconds of this start's validation passes
+    last_metrics = progress.get("metrics", {})  # (the metrics of the last logged interval)
+
+    def validate(step: int) -> dict:
+        """Score data.eval_split, log it, and return {"val_<name>": value}."""
+        nonlocal evaluating
+        eval_start = time.time()
+        val, summary = task.evaluate(state["params"], rng_state)
+        samples = val.pop("samples", None)
+        val_row = {f"{config.data.eval_split}/{k}": v for k, v in val.items()}
+        writer.write(step, {**val_row, "train/train_seconds": clock.seconds()})
+        if samples:
+            writer.write_text(step, "samples", samples)
+        evaluating += time.time() - eval_start
+        logging.info(
+            "eval %s at step %d: %s (%.0fs)",
+            config.data.eval_split,
+            step,
+            summary,
+            time.time() - eval_start,
+        )
+        return {f"val_{k}": v for k, v in val.items()}
+
+    # Training seconds, cumulative across resumes: compilation, start-up, metric writing,
+    # checkpoints and evaluation excluded.
+    interval_start = float(progress.get("train_seconds", 0.0))
+    clock = TrainClock(interval_start)
+    # A signal stopped the last start at a step due for validation, before validating.
+    pending_eval = bool(progress.get("pending_eval", False))
     done_path = os.path.join(workdir, DONE_FILE)
     # train.max_train_seconds is a budget for the whole run: the wall time of the loops of every
     # start so far (up to its last checkpoint) counts, validation passes excluded (a slower
@@ -460,10 +498,12 @@ def train_and_evaluate(
     if step >= t.num_steps:
         reason = "num_steps"
         logging.info(
-            "already finished at step %d (train.num_steps=%d): nothing to train (raise it to "
-            "train on)",
+            "already finished at step %d (train.num_steps=%d): nothing to train (%s)",
             step,
             t.num_steps,
+            "train.num_steps sets the cosine decay: train longer in a new workdir"
+            if t.schedule == "cosine"
+            else "raise train.num_steps to train on",
         )
     elif t.max_train_seconds and budget_before >= t.max_train_seconds:
         reason = "max_train_seconds"
@@ -477,10 +517,13 @@ def train_and_evaluate(
     else:
         reason = None
     if reason:  # before compiling anything; the finished run's metrics are its marker's
+        marker = read_json_if_present(done_path)
+        metrics = (marker or {}).get("metrics", last_metrics)
+        if pending_eval:
+            with clock.paused():
+                metrics = {**metrics, **validate(step)}
         exp.checkpointer.close()
         writer.close()
-        marker = read_json_if_present(done_path)
-        metrics = (marker or {}).get("metrics", {})
         if jax.process_index() == 0 and (marker is None or reason == "max_train_seconds"):
             write_json(done_path, {"step": step, "reason": reason, "metrics": metrics})
         return {"step": step, "stopped": None if reason == "num_steps" else reason, **metrics}
@@ -522,19 +565,17 @@ def train_and_evaluate(
     )
     lr_fn = learning_rate_schedule(t)
 
-    # Training seconds, cumulative across resumes: compilation, start-up, metric writing,
-    # checkpoints and evaluation excluded.
-    interval_start = float(progress.get("train_seconds", 0.0))
-    clock = TrainClock(interval_start)
     eval_seconds = float(progress.get("eval_seconds", 0.0))  # validation passes, all starts
-    evaluating = 0.0  # seconds of this start's validation passes
     nonfinite = NonfiniteSteps(t.nonfinite, int(progress.get("nonfinite_steps", 0)), step)
     start_time, start_step, pending, window = time.time(), step, [], DispatchWindow()
-    batch, last_metrics, stopped = first, {}, None
+    batch, stopped = first, None
     profiler = StepProfiler(t.profile_steps, workdir, step, clock, compiled.as_text)
     signals = StopOnSignal()
     try:
         signals.install()  # SIGTERM / SIGINT: stop after a step, checkpointed
+        if pending_eval:
+            with clock.paused():
+                last_metrics = {**last_metrics, **validate(step)}
         while step < t.num_steps:
             profiler.before_step(step, state)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
@@ -607,6 +648,8 @@ def train_and_evaluate(
             eval_due = (step % t.eval_every == 0 or done) and stopped != "signal"
             if checkpoint_due or eval_due:
                 jax.block_until_ready(state)  # the steps so far count as training time
+            # A signal's checkpoint notes the validation it skips, for the next start.
+            skipped_eval = stopped == "signal" and (step % t.eval_every == 0 or step >= t.num_steps)
             if checkpoint_due:
                 with clock.paused():
                     progress = {
@@ -614,26 +657,13 @@ def train_and_evaluate(
                         "budget_seconds": budget_before + time.time() - start_time - evaluating,
                         "eval_seconds": eval_seconds + evaluating,
                         "nonfinite_steps": nonfinite.total,
+                        "pending_eval": skipped_eval,
+                        "metrics": last_metrics,
                     }
                     exp.checkpointer.save(step, state, data_state, progress)
             if eval_due:
                 with clock.paused():
-                    eval_start = time.time()
-                    val, summary = task.evaluate(state["params"], rng_state)
-                    samples = val.pop("samples", None)
-                    val_row = {f"{config.data.eval_split}/{k}": v for k, v in val.items()}
-                    writer.write(step, {**val_row, "train/train_seconds": clock.seconds()})
-                    if samples:
-                        writer.write_text(step, "samples", samples)
-                    evaluating += time.time() - eval_start
-                    logging.info(
-                        "eval %s at step %d: %s (%.0fs)",
-                        config.data.eval_split,
-                        step,
-                        summary,
-                        time.time() - eval_start,
-                    )
-                last_metrics = {**last_metrics, **{f"val_{k}": v for k, v in val.items()}}
+                    last_metrics = {**last_metrics, **validate(step)}
             if done:
                 break
     finally:
@@ -641,7 +671,7 @@ def train_and_evaluate(
         profiler.close()  # a run that stopped inside the range (time limit, error) keeps its trace
         exp.checkpointer.close()  # waits for the last save; a diverged run saved nothing new
         writer.close()
-    finished = step >= t.num_steps or stopped == "max_train_seconds"
+    finished = step >= t.num_steps and stopped != "signal" or stopped == "max_train_seconds"
     if jax.process_index() == 0 and finished:
         reason = "num_steps" if step >= t.num_steps else "max_train_seconds"
         write_json(done_path, {"step": step, "reason": reason, "metrics": last_metrics})
