@@ -1,12 +1,15 @@
 """Write the average of a run's last checkpoints as a new workdir.
 
-    python average.py --workdir=workdirs/multi30k_ende --last=5 --output=workdirs/multi30k_avg5
-    python eval.py --workdir=workdirs/multi30k_avg5 --split=test_2016_flickr
+    python average.py --workdir=workdirs/multi30k_ende --last=2 --output=workdirs/multi30k_avg2
+    python eval.py --workdir=workdirs/multi30k_avg2 --split=test_2016_flickr
+
+A run keeps its last train.keep_checkpoints checkpoints (2 by default): to average 5, train with
+--config.train.keep_checkpoints=5 (and a train.checkpoint_every that spaces them as wanted).
 
 The output workdir holds the source's config.json and vocabulary and one checkpoint, at the
 newest averaged step, with the mean parameters (xformer/averaging.py) and no optimizer state:
 eval.py and sample.py use it like any workdir; train.py refuses to train in it (continue
-training in the source workdir). `eval.py --workdir=<source> --average_last=5` evaluates the
+training in the source workdir). `eval.py --workdir=<source> --average_last=2` evaluates the
 same parameters without writing them.
 """
 
