@@ -24,7 +24,7 @@ from absl import app, flags, logging
 
 from xformer import experiment as experiment_lib
 from xformer.averaging import average_params, steps_to_average
-from xformer.checkpoint import Checkpointer
+from xformer.checkpoint import Checkpointer, CheckpointShapeError
 from xformer.data.errors import DataError
 from xformer.files import check_writable, write_json
 from xformer.tasks import make_task
@@ -53,7 +53,10 @@ def main(argv):
         check_writable(output, "--output")
     except (ValueError, OSError, DataError) as e:
         sys.exit(f"average.py: {e}")
-    params = average_params(task.exp, steps)
+    try:
+        params = average_params(task.exp, steps)
+    except CheckpointShapeError as e:  # the workdir's config.json was edited
+        sys.exit(f"average.py: {e}")
 
     experiment_lib.save_config(config, output)
     if not config.data.vocab_dir and os.path.isdir(os.path.join(source, "vocab")):

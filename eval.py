@@ -68,6 +68,7 @@ from xformer import distributed_flags
 from xformer import experiment as experiment_lib
 from xformer.averaging import average_params, steps_to_average
 from xformer.bleu import bleu_report
+from xformer.checkpoint import CheckpointShapeError
 from xformer.data.errors import DataError
 from xformer.data.text import read_input_lines
 from xformer.data.translation import split_text
@@ -211,11 +212,12 @@ def _checkpoint_steps(task) -> list[int]:
 def _restore(task, steps: list[int]) -> tuple[object, object, int, dict]:
     """(parameters, non-parameter state, step, extra result fields) of checkpoint `steps[0]`,
     or with --average_last the average of `steps`: parameters only, not the optimizer state."""
-    if _AVERAGE_LAST.value is None:
-        params, step = restore_params(task.exp, steps[0])
-        return params, task.exp.rng_state, step, {}
-    logging.info("averaging the parameters of checkpoints %s", steps)
-    params = average_params(task.exp, steps)
+    with input_errors(CheckpointShapeError):  # the workdir's config.json was edited
+        if _AVERAGE_LAST.value is None:
+            params, step = restore_params(task.exp, steps[0])
+            return params, task.exp.rng_state, step, {}
+        logging.info("averaging the parameters of checkpoints %s", steps)
+        params = average_params(task.exp, steps)
     return params, task.exp.rng_state, steps[-1], {"averaged_steps": steps}
 
 

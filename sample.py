@@ -28,6 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from xformer import experiment as experiment_lib
+from xformer.checkpoint import CheckpointShapeError
 from xformer.data.errors import DataError
 from xformer.data.text import read_text_lines
 from xformer.files import check_output_file, write_json
@@ -127,7 +128,10 @@ def main(argv):
         )
 
     exp = task.exp
-    params, _ = restore_params(exp, step)
+    try:
+        params, _ = restore_params(exp, step)
+    except CheckpointShapeError as e:  # the workdir's config.json was edited
+        sys.exit(f"sample.py: {e}")
     generator = make_generator(
         exp.graphdef_for(model_cfg),
         sampling,

@@ -264,7 +264,7 @@ def test_checkpoint_from_before_progress_restores(tmp_path):
     assert Checkpointer(str(tmp_path)).progress() == {"train_seconds": 1.5}
 
 
-def tiny_experiment(workdir, keep_checkpoints: int = 2):
+def tiny_experiment(workdir, keep_checkpoints: int = 2, d_ff: int = 32):
     """A one-layer translation Experiment over 50-token vocabularies, checkpointing in
     `workdir` (no data, no training)."""
     from xformer import config as config_lib
@@ -278,7 +278,7 @@ def tiny_experiment(workdir, keep_checkpoints: int = 2):
         {
             "model.d_model": 16,
             "model.num_heads": 2,
-            "model.d_ff": 32,
+            "model.d_ff": d_ff,
             "model.num_encoder_layers": 1,
             "model.num_decoder_layers": 1,
             "train.keep_checkpoints": keep_checkpoints,
@@ -291,6 +291,7 @@ def tiny_experiment(workdir, keep_checkpoints: int = 2):
 def test_eval_restores_the_parameters_alone(tmp_path):
     """restore_params (eval.py's restore: a partial restore that asks for no optimizer state)
     gives the saved step and parameters, in their shardings; a missing step is named."""
+    from xformer.checkpoint import CheckpointShapeError
     from xformer.params_checkpoint import restore_params
 
     exp = tiny_experiment(tmp_path)
@@ -310,6 +311,10 @@ def test_eval_restores_the_parameters_alone(tmp_path):
         assert b.sharding == a.sharding
     with pytest.raises(FileNotFoundError, match=r"no checkpoint 3 in .* \(it holds \[7\]\)"):
         restore_params(exp, 3)
+    wider = tiny_experiment(tmp_path, d_ff=48)  # a model the checkpoint does not hold
+    message = r"hold 6 arrays of other shapes than this model's \(e.g. params/.*, the model's"
+    with pytest.raises(CheckpointShapeError, match=message):  # (FFN kernels, biases)
+        restore_params(wider)
 
 
 def test_a_resumed_run_restores_onto_shapes_alone(tmp_path, tfds_dir, multi30k_dir, monkeypatch):

@@ -12,7 +12,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from xformer.checkpoint import explained_shape_errors
+from xformer.checkpoint import check_shapes, explained_shape_errors
 from xformer.experiment import Experiment
 
 
@@ -30,7 +30,8 @@ def checkpoint_step(exp: Experiment, step: int | None = None) -> int:
 
 def restore_params(exp: Experiment, step: int | None = None) -> tuple[nnx.State, int]:
     """(parameters, step) of checkpoint `step` (default: the latest) in exp.workdir. Raises
-    FileNotFoundError as checkpoint_step does."""
+    FileNotFoundError as checkpoint_step does, and CheckpointShapeError (a ValueError) when
+    the checkpoint holds parameters of other shapes than the experiment's model."""
     manager = exp.checkpointer.manager
     step = checkpoint_step(exp, step)
     abstract = exp.abstract_state()
@@ -40,6 +41,7 @@ def restore_params(exp: Experiment, step: int | None = None) -> tuple[nnx.State,
         target,
     )
     path = os.path.join(os.fspath(manager.directory), str(step), "state")
+    check_shapes(path, target, manager.directory)  # before any array is read
     with explained_shape_errors(manager.directory):
         restored = ocp.PyTreeCheckpointer().restore(
             path,
