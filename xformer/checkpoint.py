@@ -96,8 +96,7 @@ class Checkpointer:
         """Restore onto `target` (a pytree of arrays or ShapeDtypeStructs with shardings)."""
         step = self._step(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        state_dir = os.path.join(os.fspath(self.manager.directory), str(step), "state")
-        check_shapes(state_dir, abstract, self.manager.directory)  # before any array is read
+        check_shapes(self.manager.directory, step, abstract)  # before any array is read
         with explained_shape_errors(self.manager.directory):
             restored = self.manager.restore(
                 step,
@@ -146,22 +145,32 @@ def _leaf_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
     }
 
 
-def check_shapes(state_dir: str, target, directory: object) -> None:
-    """Raise CheckpointShapeError when an array of `target` is stored in `state_dir` with
-    another shape (found from the metadata: a failed restore leaves orbax's threads running)."""
+def state_dir(checkpoints: object, step: int) -> str:
+    """The directory of checkpoint `step`'s "state" item under the checkpoints directory."""
+    return os.path.join(os.fspath(checkpoints), str(step), "state")
+
+
+def stored_tree(path: str):
+    """The pytree of array metadata (shape, dtype) of the "state" item at `path`."""
     absl_logger = logging.getLogger("absl")  # (orbax warns of a metadata file it never writes)
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)
     try:
-        tree = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
+        return ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
     finally:
         absl_logger.setLevel(level)
+
+
+def check_shapes(checkpoints: object, step: int, target) -> None:
+    """Raise CheckpointShapeError when an array of `target` is stored in checkpoint `step` with
+    another shape (found from the metadata: a failed restore leaves orbax's threads running)."""
+    tree = stored_tree(state_dir(checkpoints, step))
     stored, wanted = _leaf_shapes(tree), _leaf_shapes(target)
     differ = [(p, stored[p], s) for p, s in wanted.items() if p in stored and stored[p] != s]
     if differ:
         path, have, want = differ[0]
         raise CheckpointShapeError(
-            f"The checkpoints in {directory} hold {len(differ)} arrays of other shapes than this "
+            f"The checkpoints in {checkpoints} hold {len(differ)} arrays of other shapes than this "
             f"model's (e.g. {'/'.join(path)}: {have}, the model's {want}): {SHAPE_CAUSES}"
         )
 
@@ -191,10 +200,8 @@ def explained_shape_errors(directory: object) -> Iterator[None]:
 def read_state(workdir: str, step: int) -> dict:
     """The "state" item of checkpoint `step` as numpy arrays on the host, whatever mesh wrote
     it (for comparing runs and inspecting checkpoints; training restores with Checkpointer)."""
-    path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    as_numpy = jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-        checkpointer.metadata(path).item_metadata.tree,
+    path = state_dir(os.path.join(os.path.abspath(workdir), "checkpoints"), step)
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored_tree(path))
+    return ocp.PyTreeCheckpointer().restore(
+        path, args=ocp.args.PyTreeRestore(restore_args=as_numpy)
     )
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))

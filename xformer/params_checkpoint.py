@@ -6,13 +6,11 @@ reads the "params" subtree with orbax's partial restore, placed by the experimen
 shardings (sharding.RULES on the current mesh, whatever mesh wrote the checkpoint).
 """
 
-import os
-
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from xformer.checkpoint import check_shapes, explained_shape_errors
+from xformer.checkpoint import check_shapes, explained_shape_errors, state_dir
 from xformer.experiment import Experiment
 
 
@@ -40,11 +38,10 @@ def restore_params(exp: Experiment, step: int | None = None) -> tuple[nnx.State,
         lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype),
         target,
     )
-    path = os.path.join(os.fspath(manager.directory), str(step), "state")
-    check_shapes(path, target, manager.directory)  # before any array is read
+    check_shapes(manager.directory, step, target)  # before any array is read
     with explained_shape_errors(manager.directory):
         restored = ocp.PyTreeCheckpointer().restore(
-            path,
+            state_dir(manager.directory, step),
             args=ocp.args.PyTreeRestore(
                 item=target, restore_args=restore_args, partial_restore=True
             ),

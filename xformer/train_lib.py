@@ -671,7 +671,7 @@ def train_and_evaluate(
         profiler.close()  # a run that stopped inside the range (time limit, error) keeps its trace
         exp.checkpointer.close()  # waits for the last save; a diverged run saved nothing new
         writer.close()
-    finished = step >= t.num_steps and stopped != "signal" or stopped == "max_train_seconds"
+    finished = (step >= t.num_steps and stopped != "signal") or stopped == "max_train_seconds"
     if jax.process_index() == 0 and finished:
         reason = "num_steps" if step >= t.num_steps else "max_train_seconds"
         write_json(done_path, {"step": step, "reason": reason, "metrics": last_metrics})
