@@ -30,7 +30,7 @@ from test_language_modeling import ptb  # noqa: F401 (a fixture)
 
 from xformer import config as config_lib
 from xformer import experiment as experiment_lib
-from xformer import train_lib
+from xformer import faults, train_lib
 from xformer.preemption import EXIT_STOPPED
 from xformer.train_lib import train_step
 
@@ -100,6 +100,11 @@ def test_interrupted_run_equals_uninterrupted_bit_for_bit(family, tmp_path, tfds
     result = translation.run(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "already finished at step 6" in result.stderr
+    # As if killed after that validation, before writing done.json: the next start validates
+    # again, and metrics.jsonl keeps one validation row of step 6 (checked below).
+    (run / "done.json").unlink()
+    result = translation.run(cmd)
+    assert result.returncode == 0 and "already finished at step 6" in result.stderr
     done, ref_done = (json.loads((d / "done.json").read_text()) for d in (run, ref))
     val = [
         k for k in ref_done["metrics"] if k[:4] == "val_" and not k.endswith(("seconds", "_per_s"))
@@ -107,7 +112,7 @@ def test_interrupted_run_equals_uninterrupted_bit_for_bit(family, tmp_path, tfds
     assert val and {k: done["metrics"][k] for k in val} == {k: ref_done["metrics"][k] for k in val}
 
     # Each step logged once: a resumed run drops the rows its killed start logged after the
-    # checkpoint it resumes from (here steps 3-4, and 6 twice).
+    # checkpoint it resumes from (here steps 3-4 and 6, and the validation of step 6 run twice).
     def logged_steps(workdir: Path) -> tuple[list[int], list[int]]:
         """The steps of the training rows and of the validation rows of metrics.jsonl."""
         rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -123,7 +128,30 @@ def test_interrupted_run_equals_uninterrupted_bit_for_bit(family, tmp_path, tfds
         np.testing.assert_array_equal(have[name], want[name], err_msg=name)
     losses, ref_losses = metrics(run, "train/loss"), metrics(ref, "train/loss")
     assert losses == ref_losses  # {step: loss} of the last run to log each step
+    # Training seconds go on from each checkpoint's: they grow step by step across the resumes.
+    seconds = metrics(run, "train/train_seconds")
+    assert 0 < seconds[1] and all(seconds[s] < seconds[s + 1] for s in range(1, 6))
     assert metrics(run, "train/nonfinite_steps_total")[6] == 0
+
+
+def test_a_step_fault_stalls_after_the_checkpoints_in_flight(tmp_path, monkeypatch):
+    """`step:<n>` has the checkpoints still being written committed before it writes its
+    marker: a kill at the stall falls between checkpoints, never inside a write."""
+    marker = tmp_path / "stalled"
+    monkeypatch.setenv(faults.ENV, f"step:3:{marker}")
+    events = []
+
+    def stop_requested() -> bool:
+        events.append("stop?")
+        return True
+
+    def wait_for_checkpoints() -> None:
+        events.append(("committed", marker.exists()))
+
+    faults.stall_after_step(2, stop_requested, wait_for_checkpoints)
+    assert events == [] and not marker.exists()
+    faults.stall_after_step(3, stop_requested, wait_for_checkpoints)
+    assert events == [("committed", False), "stop?"] and marker.exists()
 
 
 def test_a_second_signal_exits_at_once(tmp_path):

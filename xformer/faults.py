@@ -38,10 +38,14 @@ def _stalled(marker: str) -> None:
     Path(marker).write_text(f"stalled in process {os.getpid()}\n")
 
 
-def stall_after_step(step: int, stop_requested: Callable[[], bool]) -> None:
-    """Wait, at the step named by `step:<n>:<marker>`, until `stop_requested()`."""
+def stall_after_step(
+    step: int, stop_requested: Callable[[], bool], wait_for_checkpoints: Callable[[], None]
+) -> None:
+    """Wait, at the step named by `step:<n>:<marker>`, until `stop_requested()`. Checkpoints
+    still being written are committed first: a kill at the stall falls between checkpoints."""
     spec = _spec()
     if spec and spec[:2] == ("step", step):
+        wait_for_checkpoints()
         _stalled(spec[2])
         while not stop_requested():
             time.sleep(0.02)

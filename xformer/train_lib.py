@@ -388,6 +388,23 @@ class NonfiniteSteps:
         )
 
 
+def eta_seconds(
+    t: ml_collections.ConfigDict,
+    step: int,
+    steps_run: int,
+    seconds: float,
+    eval_seconds: float,
+    validations: int,
+) -> float:
+    """Seconds until step t.num_steps at the pace of this start, which ran `steps_run` steps
+    (checkpoints included) and `validations` validation passes in `seconds` (`eval_seconds` of
+    them validating): its time a step, and its mean pass for each validation still due, that
+    of `step` included (it follows the step's log line)."""
+    per_step = (seconds - eval_seconds) / steps_run
+    evals_left = -(-t.num_steps // t.eval_every) - (step - 1) // t.eval_every
+    return (t.num_steps - step) * per_step + evals_left * eval_seconds / max(validations, 1)
+
+
 def interval_losses(pending: list[dict]) -> dict[str, float]:
     """loss, nll, perplexity and grad_norm of a logging interval from its steps' train_step
     metrics: token-weighted over the steps whose update was applied (the NaNs of a skipped
@@ -457,16 +474,24 @@ def train_and_evaluate(
     step = int(state["step"])
     # Only now: a resume that fails leaves config.json describing the checkpoints.
     experiment_lib.save_config(config, workdir)
-    writer = MetricWriter(
-        workdir, enabled=jax.process_index() == 0, resume_step=step if resumed else None
-    )
-    rng_state = exp.rng_state
-    evaluating = 0.0  # seconds of this start's validation passes
     last_metrics = progress.get("metrics", {})  # (the metrics of the last logged interval)
+    # A signal stopped the last start at a step due for validation, before validating.
+    pending_eval = bool(progress.get("pending_eval", False))
+    # A start killed while running that validation may have logged it: the step's rows are
+    # dropped and its training row rewritten, as TensorBoard purges the whole step.
+    writer = MetricWriter(
+        workdir,
+        enabled=jax.process_index() == 0,
+        resume_step=(step - 1 if pending_eval else step) if resumed else None,
+    )
+    if pending_eval:
+        writer.write(step, last_metrics, prefix="train/")
+    rng_state = exp.rng_state
+    evaluating, validations = 0.0, 0  # seconds and number of this start's validation passes
 
     def validate(step: int) -> dict:
         """Score data.eval_split, log it, and return {"val_<name>": value}."""
-        nonlocal evaluating
+        nonlocal evaluating, validations
         eval_start = time.time()
         val, summary = task.evaluate(state["params"], rng_state)
         samples = val.pop("samples", None)
@@ -475,6 +500,7 @@ def train_and_evaluate(
         if samples:
             writer.write_text(step, "samples", samples)
         evaluating += time.time() - eval_start
+        validations += 1
         logging.info(
             "eval %s at step %d: %s (%.0fs)",
             config.data.eval_split,
@@ -488,8 +514,6 @@ def train_and_evaluate(
     # checkpoints and evaluation excluded.
     interval_start = float(progress.get("train_seconds", 0.0))
     clock = TrainClock(interval_start)
-    # A signal stopped the last start at a step due for validation, before validating.
-    pending_eval = bool(progress.get("pending_eval", False))
     done_path = os.path.join(workdir, DONE_FILE)
     # train.max_train_seconds is a budget for the whole run: the wall time of the loops of every
     # start so far (up to its last checkpoint) counts, validation passes excluded (a slower
@@ -584,7 +608,7 @@ def train_and_evaluate(
             window.push(metrics)
             step += 1
             profiler.after_step(step, (state, metrics))
-            faults.stall_after_step(step, signals.requested)
+            faults.stall_after_step(step, signals.requested, exp.checkpointer.wait)
             budget_seconds = budget_before + time.time() - start_time - evaluating
             stopped = stop_reason(
                 budget_seconds, t.max_train_seconds, signals.requested(), step, t.log_every
@@ -602,12 +626,12 @@ def train_and_evaluate(
                 sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)
                 train_seconds = clock.seconds()
                 dt = train_seconds - interval_start
-                elapsed = time.time() - start_time  # dispatch runs ahead; time it after the sync
-                steps_per_s = len(pending) / dt
-                rate = (step - start_step) / elapsed
-                remaining = (t.num_steps - step) / rate
+                remaining = eta_seconds(  # (timed after the sync: dispatch runs ahead)
+                    t, step, step - start_step, time.time() - start_time, evaluating, validations
+                )
                 if t.max_train_seconds:
                     remaining = min(remaining, t.max_train_seconds - budget_seconds)
+                steps_per_s = len(pending) / dt
                 last_metrics = {
                     **interval_losses(pending),
                     # of the last applied update: the schedule follows Adam's count of them
