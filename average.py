@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
+from xformer import cli
 from xformer import experiment as experiment_lib
 from xformer.averaging import average_params, steps_to_average
 from xformer.checkpoint import Checkpointer, CheckpointShapeError
@@ -73,4 +74,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

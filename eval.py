@@ -62,9 +62,9 @@ if __name__ == "__main__":  # first: glibc reads its tunables only when a proces
 import jax
 from absl import app, flags, logging
 
+from xformer import cli, distributed_flags
 from xformer import compare as compare_lib
 from xformer import config as config_lib
-from xformer import distributed_flags
 from xformer import experiment as experiment_lib
 from xformer.averaging import average_params, steps_to_average
 from xformer.bleu import bleu_report
@@ -159,11 +159,8 @@ def main(argv):
         for key, flag in TRANSLATION_FLAGS.items():
             if flag.value is not None:
                 raise app.UsageError(f"--{key} is for translation; {workdir} is {family}")
-    with config.unlocked():
-        for key, flag in OVERRIDES[family].items():
-            if flag.value is not None:
-                config.eval[key] = flag.value
     with input_errors(ValueError):  # the flags' settings, checked before any data is read
+        config_lib.set_eval_flags(config, {k: f.value for k, f in OVERRIDES[family].items()})
         config_lib.validate(config)
     with input_errors(DataError):  # missing or bad data files, anywhere in the evaluation
         if family == "decoder_only":
@@ -347,4 +344,4 @@ def evaluate_translation(config, workdir: str) -> dict:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

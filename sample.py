@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from xformer import cli
+from xformer import config as config_lib
 from xformer import experiment as experiment_lib
 from xformer.checkpoint import CheckpointShapeError
 from xformer.data.errors import DataError
@@ -79,10 +81,8 @@ def load_config(workdir: str):
             "sample.py generates from language models (decoder_only): translate with eval.py"
         )
     experiment_lib.set_evaluation_mesh(config, _MESH.value, jax.device_count())
-    with config.unlocked():
-        for key, flag in (("mem_len", _MEM_LEN), ("segment_length", _SEGMENT)):
-            if flag.value is not None:
-                config.eval[key] = flag.value
+    config_lib.set_eval_flags(config, {"mem_len": _MEM_LEN.value, "segment_length": _SEGMENT.value})
+    config_lib.validate(config)
     return config
 
 
@@ -185,4 +185,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -42,7 +42,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from xformer import distributed_flags, launch, preemption, train_lib
+from xformer import cli, distributed_flags, launch, preemption, train_lib
 from xformer import experiment as experiment_lib
 from xformer import sweep as sweep_lib
 from xformer.checkpoint import CheckpointWriteError
@@ -149,4 +149,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    cli.run(main, flags_parser=parse_flags)

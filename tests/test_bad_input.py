@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,9 +52,13 @@ def test_config_flags_that_cannot_be_used_are_one_line(tmp_path, flags, message)
 
 
 def test_eval_flags_that_cannot_be_used_are_one_line(tmp_path):
-    """eval.py and average.py: a workdir that is not one, an evaluation batch of no rows, an
-    output that is a directory, --split with --input: one line, before any data is read."""
+    """eval.py, sample.py and average.py: a workdir that is not one, an evaluation batch of no
+    rows, an output that is a directory, --split with --input, a negative memory: one line
+    (not the script's help), before any data is read."""
     save_config(config_lib.base_config(), str(tmp_path))
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    save_config(config_lib.lm_base_config("ptb"), str(lm))
     source = tmp_path / "in.en"
     source.write_text("a man\n", encoding="utf-8")
     missing = tmp_path / "missing"
@@ -81,12 +86,25 @@ def test_eval_flags_that_cannot_be_used_are_one_line(tmp_path):
         (
             ["eval.py", f"--workdir={tmp_path}", "--split=val", f"--input={source}"],
             1,
-            "give --split or --input, not both",
+            "eval.py: give --split or --input, not both (--helpshort lists the flags)",
+        ),
+        (
+            ["eval.py", f"--workdir={lm}", "--mem_len=-5"],
+            2,
+            "eval.py: error: --mem_len must be >= 0, got -5 (leave it out to use the workdir's",
+        ),
+        (
+            ["sample.py", f"--workdir={lm}", "--prompt=the", "--segment_length=0"],
+            1,
+            "sample.py: --segment_length must be >= 1, got 0 (leave it out to use the",
         ),
     ]:
         result = run(args)
         assert result.returncode == status and message in result.stderr, args
-        assert "Traceback" not in result.stderr
+        printed = [
+            line for line in result.stderr.splitlines() if not re.match(r"[IWE]\d{4} ", line)
+        ]
+        assert "Traceback" not in result.stderr and len(printed) == 1, (args, printed)
     assert not (tmp_path / "vocab").exists() and not missing.exists()
 
 
@@ -131,6 +149,22 @@ def test_d_model_not_divisible_by_heads(tmp_path):
         ("train.keep_checkpoints", 0, "train.keep_checkpoints must be positive, got 0"),
         ("eval.max_decode_extra", -1, "eval.max_decode_extra must be >= 0, got -1"),
         ("eval.max_input_tokens", 1, "eval.max_input_tokens must be >= 2, got 1"),
+        ("eval.length_penalty", -2.0, "eval.length_penalty must be >= 0.0, got -2.0"),
+        ("train.grad_clip_norm", -0.25, "train.grad_clip_norm must be >= 0, got -0.25"),
+        ("train.learning_rate", 0.0, "train.learning_rate must be positive, got 0.0"),
+        ("train.weight_decay", -0.1, "train.weight_decay must be >= 0, got -0.1"),
+        ("train.warmup_steps", -10, "train.warmup_steps must be >= 0, got -10"),
+        ("train.eps", -1.0, "train.eps must be >= 0, got -1.0"),
+        ("train.max_train_seconds", -1.0, "train.max_train_seconds must be >= 0, got -1.0"),
+        ("train.b2", 1.5, r"train.b2 must be in \[0, 1\), got 1.5"),
+        ("model.num_encoder_layers", 0, "model.num_encoder_layers must be positive, got 0"),
+        ("model.num_decoder_layers", -1, "model.num_decoder_layers must be positive, got -1"),
+        ("data.num_packing_bins", -3, "data.num_packing_bins must be >= 0, got -3"),
+        ("data.max_train_length", 0, "data.max_train_length must be positive, got 0"),
+        ("data.vocab_size", 4, r"data.vocab_size must be > 4 \(the tokenizer's 4 special"),
+        ("data.segment_length", 32, "data.segment_length is for decoder_only runs; a "),
+        ("eval.mem_len", 300, "eval.mem_len is for decoder_only runs"),
+        ("eval.sliding_stride", 5, "eval.sliding_stride is for decoder_only runs"),
         (
             "train.grad_accum_steps",
             3,
@@ -332,6 +366,11 @@ def test_empty_lines_are_kept(tmp_path):
         ({"model.positional": "rope", "model.clamp_len": 4}, r"clamp_len .* are for .*'relative'"),
         ({"model.positional": "rope", "eval.clamp_len": 0}, r"eval.clamp_len=0 is for .*'rel"),
         ({"eval.clamp_len": -2}, r"eval.clamp_len must be >= 0, or -1"),
+        ({"eval.mem_len": -5}, r"eval.mem_len must be >= 0, or -1 \(as trained\); got -5"),
+        ({"data.vocab_size": 1}, r"data.vocab_size must be 0 \(every type\) or >= 2"),
+        ({"model.num_decoder_layers": 0}, r"model.num_decoder_layers must be positive, got 0"),
+        ({"eval.beam_size": 9}, r"eval.beam_size is for encoder_decoder runs; a decoder_only"),
+        ({"data.max_train_length": 32}, r"data.max_train_length is for encoder_decoder runs"),
         ({"train.label_smoothing": 0.1}, r"label_smoothing=0.1 is for translation"),
         ({"model.positional": "t5_bias", "model.relative_buckets": 2}, r"relative_buckets >= 4"),
         ({"model.positional": "alibi", "model.untie_relative_biases": True}, r"not 'alibi'"),

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -46,12 +47,16 @@ def test_config_variants_validate(path, variant):
     assert variant in module.__doc__
 
 
-def test_unknown_variants_and_override_keys_are_named():
+def test_unknown_variants_and_override_keys_are_named(caplog):
     module = load(CONFIGS[0].parent / "ptb_xl.py")
     with pytest.raises(ValueError, match=r"unknown config variant 'vanila'; known: \['alibi'"):
         module.get_config("vanila")
     combined = module.get_config("vanilla,short")
     assert combined.model.positional == "sinusoidal" and combined.train.num_steps == 750
+    with caplog.at_level(logging.WARNING):  # a later variant wins, named in the log
+        assert module.get_config("short,vanilla").train.num_steps == 6600
+    warning = "config variant 'vanilla' sets train.num_steps=6600 over 750 from variant 'short'"
+    assert warning in caplog.text
     with pytest.raises(ValueError, match=r"unknown config key 'model.positionl'"):
         config_lib.override(module.get_config(), {"model.positionl": "rope"})
 

@@ -75,7 +75,8 @@ def _worker(workdir: Path) -> None:
             **WIDTHS,
             **{"model.dtype": "float32", "model.param_dtype": "float32"},
             **{"train.batch_size": ROWS, "eval.batch_size": ROWS, "mesh.data": 1},
-            **{"mesh.fsdp": 4, "data.segment_length": LENGTH},
+            **{"mesh.fsdp": 4},
+            **({"data.segment_length": LENGTH} if family == "language_modeling" else {}),
         )
         exp = task.exp
         small = task.batch(rng)  # [8, 8] entries (rows of a reset flag: [8])

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from absl import logging
 
 from xformer import masks, model_config, positional, sharding
 from xformer.data.registry import LM_CORPORA
@@ -169,12 +170,47 @@ def with_variant(
     config: ml_collections.ConfigDict, variant: str, variants: dict[str, dict]
 ) -> ml_collections.ConfigDict:
     """Apply the named variants of a config file, joined by "," ("" = the base config):
-    `--config=configs/ptb_xl.py:vanilla` calls get_config("vanilla")."""
+    `--config=configs/ptb_xl.py:vanilla` calls get_config("vanilla"). Like the override flags,
+    a later variant sets a key over an earlier one; each such key is logged."""
+    set_by: dict[str, str] = {}  # key -> the variant that set it last
     for name in filter(None, variant.split(",")):
         if name not in variants:
             raise ValueError(f"unknown config variant {name!r}; known: {sorted(variants)}")
+        for key, value in variants[name].items():
+            earlier = set_by.get(key)
+            if earlier and not same_value(value, variants[earlier][key]):
+                logging.warning(
+                    "config variant %r sets %s=%r over %r from variant %r (the later one wins)",
+                    name,
+                    key,
+                    value,
+                    variants[earlier][key],
+                    earlier,
+                )
+            set_by[key] = name
         override(config, variants[name])
     return config
+
+
+# The least value of an evaluation length given as a flag of eval.py or sample.py: below it
+# are the config's "as trained" values (segment_length 0, mem_len and clamp_len -1).
+EVAL_FLAG_MINIMUMS = {"segment_length": 1, "mem_len": 0, "clamp_len": 0}
+
+
+def set_eval_flags(config: ml_collections.ConfigDict, values: Mapping[str, Any]) -> None:
+    """Set eval.<key> to each flag value given (None: not given), refusing lengths below
+    EVAL_FLAG_MINIMUMS (a flag that is left out keeps the training setting)."""
+    with config.unlocked():
+        for key, value in values.items():
+            if value is None:
+                continue
+            least = EVAL_FLAG_MINIMUMS.get(key)
+            if least is not None and value < least:
+                raise ValueError(
+                    f"--{key} must be >= {least}, got {value} (leave it out to use the "
+                    "workdir's setting)"
+                )
+            config.eval[key] = value
 
 
 def with_defaults(stored: Mapping[str, Any]) -> tuple[ml_collections.ConfigDict, list[str]]:
@@ -248,6 +284,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _validate_language_model(config, cfg)
     elif m.share_embeddings and d.vocab != "joint":
         raise ValueError("model.share_embeddings=True needs data.vocab='joint'")
+    elif d.vocab_size <= 4:
+        raise ValueError(
+            f"data.vocab_size must be > 4 (the tokenizer's 4 special pieces), got {d.vocab_size}"
+        )
     if m.positional == "learned" and d.max_train_length > m.max_len:
         raise ValueError(
             f"data.max_train_length={d.max_train_length} exceeds the learned position table "
@@ -255,10 +295,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if d.source_lang == d.target_lang and m.family == "encoder_decoder":
         raise ValueError("data.source_lang and data.target_lang must differ")
-    if d.max_pairs_per_row < 0:
+    for key, value in _family_keys_set(config, m.family):
         raise ValueError(
-            f"data.max_pairs_per_row must be >= 0 (0 = no limit), got {d.max_pairs_per_row}"
+            f"{key} is for {_OTHER[m.family]} runs; a {m.family} run does not read it (it is "
+            f"{value!r}, leave it at {flatten(base_config())[key]!r})"
         )
+    for key in ("max_pairs_per_row", "num_packing_bins", "input_shards"):
+        if d[key] < 0:
+            raise ValueError(f"data.{key} must be >= 0, got {d[key]}")
+    for key in ("max_train_length", "max_corpus_chars"):
+        if d[key] <= 0:
+            raise ValueError(f"data.{key} must be positive, got {d[key]}")
     for key in (
         "batch_size",
         "num_steps",
@@ -288,26 +335,73 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"train.profile_steps={t.profile_steps!r} goes beyond train.num_steps={t.num_steps}: "
             "stop is exclusive and at most num_steps (step counters run from 0 to num_steps - 1)"
         )
+    if t.learning_rate <= 0:
+        raise ValueError(f"train.learning_rate must be positive, got {t.learning_rate}")
+    for key in ("warmup_steps", "eps", "weight_decay", "grad_clip_norm", "max_train_seconds"):
+        if t[key] < 0:  # (a negative clip norm would flip the gradient)
+            raise ValueError(f"train.{key} must be >= 0, got {t[key]}")
+    for key in ("b1", "b2", "label_smoothing"):
+        if not 0.0 <= t[key] < 1.0:
+            raise ValueError(f"train.{key} must be in [0, 1), got {t[key]}")
     if t.peak_tflops < 0:
         raise ValueError(
             f"train.peak_tflops must be >= 0 (0 = by device kind), got {t.peak_tflops}"
         )
-    if not 0.0 <= t.label_smoothing < 1.0:
-        raise ValueError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     for key, least in EVAL_MINIMUMS.items():
         if config.eval[key] < least:
             raise ValueError(f"eval.{key} must be >= {least}, got {config.eval[key]}")
 
 
-# The least value of each evaluation count (max_input_tokens: a token and EOS).
+# The least value of each evaluation setting (max_input_tokens: a token and EOS).
 EVAL_MINIMUMS = {
     "batch_size": 1,
     "beam_size": 1,
+    "length_penalty": 0.0,
     "max_decode_extra": 0,
     "bleu_sentences": 0,
     "max_input_tokens": 2,
     "max_tokens_per_batch": 1,
 }
+
+# The data and eval keys only one family reads; the other's configs leave them at their
+# defaults (as the model keys, _validate_model).
+FAMILY_KEYS = {
+    "encoder_decoder": (
+        "data.source_lang",
+        "data.target_lang",
+        "data.vocab",
+        "data.max_corpus_chars",
+        "data.max_train_length",
+        "data.num_packing_bins",
+        "data.max_pairs_per_row",
+        "data.input_shards",
+        "eval.beam_size",
+        "eval.length_penalty",
+        "eval.max_decode_extra",
+        "eval.bleu_sentences",
+        "eval.max_input_tokens",
+        "eval.max_tokens_per_batch",
+    ),
+    "decoder_only": (
+        "data.segment_length",
+        "eval.segment_length",
+        "eval.mem_len",
+        "eval.clamp_len",
+        "eval.decoder_mask",
+        "eval.sliding_stride",
+    ),
+}
+_OTHER = {"encoder_decoder": "decoder_only", "decoder_only": "encoder_decoder"}
+
+
+def _family_keys_set(config: ml_collections.ConfigDict, family: str) -> list[tuple[str, Any]]:
+    """(key, value) of the other family's FAMILY_KEYS that `config` moved from the default."""
+    given, defaults = flatten(config), flatten(base_config())
+    return [
+        (key, given[key])
+        for key in FAMILY_KEYS[_OTHER[family]]
+        if not same_value(given[key], defaults[key])
+    ]
 
 
 # What a resumed run may change without changing what it computes: how long it trains, how
@@ -440,7 +534,8 @@ def _validate_model(m: ml_collections.ConfigDict) -> model_config.StackConfig:
                 f"(it is {m[name]!r}, leave it at {field.default!r})"
             )
     cfg = model_config.from_config(m)
-    for key in ("d_model", "num_heads", "d_ff", "max_len"):
+    layers = [key for key in ("num_encoder_layers", "num_decoder_layers") if key in own]
+    for key in ("d_model", "num_heads", "d_ff", "max_len", *layers):
         if m[key] <= 0:
             raise ValueError(f"model.{key} must be positive, got {m[key]}")
     if cfg.d_model % cfg.num_heads:
@@ -486,6 +581,12 @@ def _validate_language_model(config: ml_collections.ConfigDict, cfg) -> None:
             raise ValueError(f"model.{key} must be >= 0, got {m[key]}")
     if d.segment_length <= 0 or e.segment_length < 0:
         raise ValueError("data.segment_length must be > 0 and eval.segment_length >= 0")
+    if e.mem_len < -1:
+        raise ValueError(f"eval.mem_len must be >= 0, or -1 (as trained); got {e.mem_len}")
+    if d.vocab_size == 1 or d.vocab_size < 0:
+        raise ValueError(
+            f"data.vocab_size must be 0 (every type) or >= 2 (<eos>, <unk>), got {d.vocab_size}"
+        )
     eval_length = e.segment_length or d.segment_length
     eval_mem_len = m.mem_len if e.mem_len < 0 else e.mem_len
     scheme = SCHEMES[m.positional]
