@@ -107,8 +107,16 @@ def float64_translation(seed: int, **overrides) -> EncoderDecoder:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"positional": "t5_bias", "layer_norm": "pre", "tie_output": False}],
-    ids=["sinusoidal-post", "t5-pre-untied"],
+    [
+        {},
+        {
+            "positional": "t5_bias",
+            "layer_norm": "pre",
+            "tie_output": False,
+            "attention_impl": "fused",
+        },
+    ],
+    ids=["sinusoidal-post", "t5-pre-untied-fused"],
 )
 def test_float64_encoder_decoder_matches_numpy(overrides):
     rng = np.random.default_rng()
@@ -126,15 +134,17 @@ def test_float64_encoder_decoder_matches_numpy(overrides):
         )
 
 
-@pytest.mark.parametrize("positional", ["relative", "alibi"])
-def test_float64_transformer_xl_matches_numpy_over_two_segments(positional):
-    """Two segments through the memory: the second attends over the first's layer inputs."""
+@pytest.mark.parametrize("positional, attention_impl", [("relative", "xla"), ("alibi", "fused")])
+def test_float64_transformer_xl_matches_numpy_over_two_segments(positional, attention_impl):
+    """Two segments through the memory: the second attends over the first's layer inputs.
+    The fused path too stays float64 (jax's XLA form of it would compute in float32)."""
     rng = np.random.default_rng()
     with jax.enable_x64(True):
         cfg = LMConfig(
             **TINY_LM,
             mem_len=5,
             positional=positional,
+            attention_impl=attention_impl,
             dtype="float64",
             param_dtype="float64",
         )

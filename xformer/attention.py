@@ -58,6 +58,8 @@ def dot_product_attention(
             "jax.nn.dot_product_attention has no dropout on the attention weights; with "
             f"model.attention_dropout={dropout.rate} training attention runs the xla path"
         )
+    elif fused and q.dtype == jnp.float64:  # (jax's XLA form computes its softmax in float32)
+        _log_once("fused attention has no float64 form: a float64 model runs the xla path")
     elif fused:
         return _fused_attention(q, k, v, mask, bias, packed=implementation == "fused_packed")
     mask = masks.dense(mask)
