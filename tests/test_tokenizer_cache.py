@@ -164,3 +164,21 @@ def test_a_tokenizer_corpus_is_whole_pairs_from_across_the_split(tfds_dir):
     assert indices == sorted(indices)
     assert indices[0] < 0.1 * len(records) and indices[-1] > 0.9 * len(records)
     assert translation.tokenizer_texts(source, langs, budget) == texts  # seeded
+
+
+def test_a_vocabulary_smaller_than_the_texts_characters_is_one_clear_error(tmp_path):
+    """SentencePiece keeps every character as a piece (its C++ check otherwise fails with an
+    INTERNAL error): the size it needs is named."""
+    from xformer.data.errors import DataValueError
+    from xformer.data.tokenizer import train_tokenizer
+
+    texts = [" ".join(WORDS)] * 20  # needs its letters, the word boundary, 4 special pieces
+    letters = len(set("".join(WORDS)))
+    with pytest.raises(DataValueError) as error:
+        train_tokenizer(texts, str(tmp_path / "small.model"), vocab_size=letters)
+    assert str(error.value) == (
+        f"data.vocab_size={letters} is too small for the tokenizer small.model: its text has "
+        f"{letters + 5} distinct characters and special pieces, one piece each: raise "
+        "data.vocab_size to at least that"
+    )
+    assert train_tokenizer(texts, str(tmp_path / "ok.model"), vocab_size=letters + 5).vocab_size

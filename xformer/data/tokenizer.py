@@ -5,6 +5,7 @@ Ids: 0 = padding, 1 = unknown, 2 = BOS (first decoder input), 3 = EOS.
 
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Sequence
 
@@ -13,7 +14,7 @@ import sentencepiece as spm
 from absl import logging
 
 from xformer import locks
-from xformer.data.errors import DataFileNotFoundError
+from xformer.data.errors import DataFileNotFoundError, DataValueError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -61,20 +62,30 @@ def train_tokenizer(
     os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(model_path))) as tmp:
         prefix = os.path.join(tmp, "spm")
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=limited(),
-            model_prefix=prefix,
-            vocab_size=vocab_size,
-            model_type="unigram",
-            character_coverage=1.0,
-            hard_vocab_limit=False,  # small corpora may not support the full size
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            num_threads=os.cpu_count() or 1,
-            minloglevel=2,
-        )
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=limited(),
+                model_prefix=prefix,
+                vocab_size=vocab_size,
+                model_type="unigram",
+                character_coverage=1.0,
+                hard_vocab_limit=False,  # small corpora may not support the full size
+                pad_id=PAD_ID,
+                unk_id=UNK_ID,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                num_threads=os.cpu_count() or 1,
+                minloglevel=2,
+            )
+        except RuntimeError as e:  # SentencePiece's check of the size, a C++ assertion
+            needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+            if not needed:
+                raise
+            raise DataValueError(
+                f"data.vocab_size={vocab_size} is too small for the tokenizer "
+                f"{os.path.basename(model_path)}: its text has {needed[1]} distinct characters "
+                "and special pieces, one piece each: raise data.vocab_size to at least that"
+            ) from None
         os.replace(prefix + ".model", model_path)  # atomic: a reader never sees a partial file
     return Tokenizer(model_path)
 
