@@ -388,3 +388,23 @@ def test_rows_a_resumed_run_logged_again_are_the_resumed_runs(tmp_path):
     assert row["best_val_bleu"] == max(first, *resumed)
     assert row["median_tokens_per_s"] == pytest.approx(np.median(speeds))
     assert row["steps"] == 130 and row["train_seconds"] == 13.5
+
+
+def test_an_averaged_workdir_is_named_for_what_it_averaged(tmp_path):
+    """average.py's output has no metrics of its own: its row holds the last step averaged and
+    the test result eval.py wrote there, and a note says what it averages."""
+    bleu = float(np.random.default_rng().uniform(10, 40))
+    rows = [train_row(100, 10.0), val_row(100, 10.0, bleu=5.0, lc_tok_bleu=5.0)]
+    source = make_run(tmp_path / "run", translation_config(), rows, done_step=100)
+    averaged = make_run(
+        tmp_path / "run_avg2", translation_config(), [], test={"step": 100, "sacrebleu": bleu}
+    )
+    info = {"source": source, "averaged_steps": [50, 100]}
+    (tmp_path / "run_avg2" / "averaged.json").write_text(json.dumps(info))
+    result = compare.compare([source, averaged])
+    table = list(csv.DictReader(io.StringIO(compare.to_csv(result))))
+    assert table[1]["steps"] == "100" and float(table[1]["test_2016_flickr_bleu"]) == bleu
+    assert result.notes == [
+        f"run_avg2: the average of checkpoints [50, 100] of {source} (average.py): no training "
+        "or validation rows of its own"
+    ]

@@ -5,7 +5,8 @@ runs (config.json flattened to dotted keys), the commit(s) that trained each run
 parameter count (run_info.json; a note under the table when the commits differ), the final step,
 the training wall time, the median training tokens/s, the best validation value of the family's
 metric and its step, and the test value from eval.py's eval_<config.data.test_split>.json when
-it is of the final step (else a note under the table says to rerun eval.py).
+it is of the final step (else a note under the table says to rerun eval.py). An average.py
+workdir's row has the last step it averaged, and a note naming the checkpoints and their run.
 
 An older config.json gets today's defaults for the keys it lacks (config.with_defaults). Of the
 rows that a resumed run logged again (for steps after its checkpoint that a crash lost), the
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from xformer.config import flatten
-from xformer.experiment import CONFIG_FILE, load_config
+from xformer.experiment import AVERAGED_FILE, CONFIG_FILE, load_config
 from xformer.files import read_json_if_present, read_jsonl
 from xformer.timing import format_duration
 from xformer.train_lib import DONE_FILE, RUN_INFO_FILE
@@ -64,6 +65,7 @@ class Run:
     run_info: dict | None
     done: dict | None
     test: dict | None  # eval_<test split>.json
+    averaged: dict | None = None  # average.py's output: {"source", "averaged_steps"}
 
     @classmethod
     def load(cls, workdir: str) -> "Run":
@@ -74,7 +76,15 @@ class Run:
             return read_json_if_present(os.path.join(workdir, name))
 
         test = optional(f"eval_{config['data.test_split']}.json")
-        return cls(workdir, config, rows, optional(RUN_INFO_FILE), optional(DONE_FILE), test)
+        return cls(
+            workdir,
+            config,
+            rows,
+            optional(RUN_INFO_FILE),
+            optional(DONE_FILE),
+            test,
+            optional(AVERAGED_FILE),
+        )
 
     @property
     def family(self) -> str:
@@ -96,7 +106,18 @@ class Run:
     def steps(self) -> int | None:
         if self.done is not None:
             return int(self.done["step"])
+        if self.averaged is not None:  # (no training rows: the last step averaged)
+            return int(self.averaged["averaged_steps"][-1])
         return max((int(r["step"]) for r in self.rows), default=None)
+
+    def averaged_note(self) -> str | None:
+        """What an average.py workdir averaged (it has no training rows of its own)."""
+        if self.averaged is None:
+            return None
+        return (
+            f"the average of checkpoints {self.averaged['averaged_steps']} of "
+            f"{self.averaged['source']} (average.py): no training or validation rows of its own"
+        )
 
     def stale_test(self) -> str | None:
         """Why eval_<test split>.json is not the run's result: it is of an earlier step than the
@@ -266,10 +287,10 @@ def compare(workdirs: Sequence[str]) -> Comparison:
         metric_columns[f"best_{val}_{m.name}"] = metric_columns[f"{test}_{m.name}"] = m
     rows, notes, shown = [], commit_notes(runs, names), {}
     for name, run, run_mfu in zip(names, runs, mfu, strict=True):
-        stale = run.stale_test()
-        if stale:
-            notes.append(f"{name}: {stale}")
-        test_result = None if stale else run.test
+        for note in (run.averaged_note(), run.stale_test()):
+            if note:
+                notes.append(f"{name}: {note}")
+        test_result = None if run.stale_test() else run.test
         if test_result is not None:
             shown[name] = test_result
         row = [
