@@ -39,5 +39,24 @@ def test_bleu_report_values(multi30k_dir):
         tokenize="none",
     )
     assert bleu_report(hyps, refs, "de").lc_tok_bleu == pytest.approx(tok.score)
+    # Hypotheses and references in their places: short hypotheses score lower than the
+    # references would against them (precision is of the hypotheses; the brevity penalty).
+    short = [" ".join(r.split()[: len(r.split()) // 2]) for r in refs]
+    report = bleu_report(short, refs, "de")
+    assert report.sacrebleu == pytest.approx(sacrebleu.corpus_bleu(short, [refs]).score)
+    assert report.sacrebleu < sacrebleu.corpus_bleu(refs, [short]).score - 5
+    # lc-tok against the upstream tokenized references (not our own tokenization of them).
+    upstream = _lines(multi30k_dir / "tok" / "val.lc.norm.tok.de.gz")[:200]
+    lc_tok = sacrebleu.corpus_bleu(
+        [moses_lc_tok(h, "de") for h in short], [upstream], tokenize="none"
+    )
+    assert report.lc_tok_bleu == pytest.approx(lc_tok.score)
+    assert (
+        report.lc_tok_bleu
+        < sacrebleu.corpus_bleu(
+            upstream, [[moses_lc_tok(h, "de") for h in short]], tokenize="none"
+        ).score
+        - 5
+    )
     with pytest.raises(ValueError, match="hypotheses"):
         bleu_report(refs[:3], refs, "de")

@@ -9,7 +9,6 @@ import dataclasses
 import functools
 
 import sacrebleu
-import sacremoses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +22,11 @@ class BleuReport:
 
 
 @functools.cache
-def _moses(lang: str) -> tuple[sacremoses.MosesPunctNormalizer, sacremoses.MosesTokenizer]:
+def _moses(lang: str) -> tuple:
+    """(MosesPunctNormalizer, MosesTokenizer) of `lang`; sacremoses is imported here, at the
+    first BLEU (compiling its patterns takes half a second of every script's start)."""
+    import sacremoses
+
     return sacremoses.MosesPunctNormalizer(lang=lang), sacremoses.MosesTokenizer(lang=lang)
 
 
