@@ -198,18 +198,10 @@ def losses(workdir) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_train_resume_and_eval_every_token(tmp_path, tfds_dir, ptb):
-    rsqrt = "--config.train.schedule=rsqrt"  # (cosine's decay would change with num_steps)
-    first = run(train_cmd(tmp_path / "run", tfds_dir, rsqrt, "--config.train.num_steps=3"))
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run(train_cmd(tmp_path / "run", tfds_dir, rsqrt, "--config.train.num_steps=6"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from step 3" in resumed.stderr
-    straight = run(train_cmd(tmp_path / "ref", tfds_dir, rsqrt, "--config.train.num_steps=6"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    # Steps 4-6 after the restart see the same batches, dropout and restored XL memory.
-    got, ref = losses(tmp_path / "run"), losses(tmp_path / "ref")
-    np.testing.assert_allclose([got[s] for s in (4, 5, 6)], [ref[s] for s in (4, 5, 6)], rtol=1e-5)
+def test_eval_py_scores_every_token(tmp_path, tfds_dir, ptb):
+    """(A resumed run's exactness, the XL memory included: test_reliability.py.)"""
+    trained = run(train_cmd(tmp_path / "run", tfds_dir, "--config.train.num_steps=6"))
+    assert trained.returncode == 0, trained.stderr[-3000:]
 
     result = run(
         [

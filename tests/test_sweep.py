@@ -466,7 +466,7 @@ def test_a_point_locked_by_another_job_is_skipped_until_that_job_dies(tmp_path, 
             lines[1],
         )
         assert [Path(cmd[1]).name for cmd in launched] == ["train.py", "eval.py"]
-        assert all(f"--workdir={root}/{NAMES[1]}" in cmd for cmd in launched[:1])
+        assert all(f"--workdir={root}/{NAMES[1]}" in cmd for cmd in launched)
         assert sweep.locks.holder(sweep.lock_path(root, NAMES[0]))["pid"] == child.pid
     finally:
         child.kill()  # SIGKILL: the OS frees the lock
