@@ -218,6 +218,12 @@ def _restore(task, steps: list[int]) -> tuple[object, object, int, dict]:
     return params, task.exp.rng_state, steps[-1], {"averaged_steps": steps}
 
 
+def input_name(path: str) -> str:
+    """The name of an --input file's results: "input.<file name>", never a split's (a file
+    named "test" would otherwise overwrite eval_test.json, the run's test result)."""
+    return f"input.{os.path.basename(path)}"
+
+
 def evaluate_language_model(config, workdir: str) -> dict:
     split = _SPLIT.value or config.data.test_split
     task = make_task(config, workdir, train_if_missing=False, training=False)
@@ -225,7 +231,7 @@ def evaluate_language_model(config, workdir: str) -> dict:
     # Read and encode before restoring, so bad data fails fast.
     oov = None
     if _INPUT.value:
-        name = os.path.basename(_INPUT.value)
+        name = input_name(_INPUT.value)
         with input_errors():
             encoded = encode_text_file(task.vocab, _INPUT.value)
             if not len(encoded.stream):
@@ -293,7 +299,7 @@ def evaluate_translation(config, workdir: str) -> dict:
         if _INPUT.value:
             sources, references = read_translation_input()
     if _INPUT.value:
-        name = os.path.basename(_INPUT.value)
+        name = input_name(_INPUT.value)
     else:
         name = _SPLIT.value or config.data.test_split
         sources, references = split_text(config, name)

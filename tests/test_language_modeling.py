@@ -229,7 +229,7 @@ def test_eval_py_scores_every_token(tmp_path, tfds_dir, ptb):
     text.write_bytes("\n".join(lines).encode())
     result = run(["eval.py", f"--workdir={tmp_path / 'run'}", f"--input={text}"])
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((tmp_path / "run" / "eval_in.txt.json").read_text())
+    report = json.loads((tmp_path / "run" / "eval_input.in.txt.json").read_text())
     words = [w for line in lines for w in line.split()]
     vocab = set((tmp_path / "run" / "vocab" / "ptb.vocab").read_text().split("\n"))
     assert report["oov_tokens"] == sum(w not in vocab for w in words) == 4  # newline too

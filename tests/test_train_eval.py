@@ -135,6 +135,7 @@ def test_eval_py_translates_every_line_it_is_given(tmp_path, tfds_dir, multi30k_
     assert [outputs[i] for i in (1, 4, *range(7, 157))] == [""] * 152
     assert all(outputs[i] for i in (0, 2, 3, 5, 6, 157))
     report = json.loads(result.stdout)
+    assert report == json.loads((workdir / "eval_input.in.en.json").read_text())  # not a split's
     assert report["sentences"] == len(lines) and report["empty_inputs"] == 152
     assert report["truncated_inputs"] == 2 and report["longest_input_tokens"] > 5000
     assert "2 of 6 inputs have more than 512 tokens" in result.stderr
