@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -254,10 +255,20 @@ def test_eval_restores_the_parameters_alone(tmp_path):
 
 def test_a_resumed_run_restores_onto_shapes_alone(tmp_path, tfds_dir, multi30k_dir, monkeypatch):
     """Resuming restores the checkpoint onto `abstract_state`: no initialised train state is
-    made (and held beside the restored one), and the run goes on from the saved step."""
+    made (and held beside the restored one), and the run goes on from the saved step. The
+    training seconds leave out the compilation."""
     from xformer import config as config_lib
     from xformer import experiment as experiment_lib
+    from xformer import train_lib
     from xformer.train_lib import train_and_evaluate
+
+    compile_step = train_lib.compile_step
+
+    def slow_compile(*args):
+        time.sleep(4.0)
+        return compile_step(*args)
+
+    monkeypatch.setattr(train_lib, "compile_step", slow_compile)
 
     config = config_lib.override(
         tiny_config(tfds_dir),
@@ -271,6 +282,7 @@ def test_a_resumed_run_restores_onto_shapes_alone(tmp_path, tfds_dir, multi30k_d
         },
     )
     assert train_and_evaluate(config, str(tmp_path))["step"] == 2
+    assert 0 < train_metric(tmp_path, "train_seconds")[1] < 4.0  # step 1 alone, not compiling
 
     def no_init(self, carry=None):
         raise AssertionError("a resumed run initialised a train state")

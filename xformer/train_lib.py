@@ -591,6 +591,7 @@ def train_and_evaluate(
 
     eval_seconds = float(progress.get("eval_seconds", 0.0))  # validation passes, all starts
     nonfinite = NonfiniteSteps(t.nonfinite, int(progress.get("nonfinite_steps", 0)), step)
+    clock = TrainClock(interval_start)  # from here: start-up and compilation are not training
     start_time, start_step, pending, window = time.time(), step, [], DispatchWindow()
     batch, stopped = first, None
     profiler = StepProfiler(t.profile_steps, workdir, step, clock, compiled.as_text)
