@@ -200,6 +200,14 @@ def test_input_shards_must_divide_over_processes_and_rows():
     config.train.batch_size = config.eval.batch_size = 6
     with pytest.raises(ValueError, match="train.batch_size=6 must be divisible by the 4"):
         config_lib.check_devices(config, 4, num_processes=4)
+    # One device a process, tensor pairs across processes: the pair would read two row sets.
+    config.train.batch_size = config.eval.batch_size = 16
+    config.mesh.data, config.mesh.tensor, config.data.input_shards = -1, 2, 0
+    message = r"the 8 row shards .* must be a multiple of the 16 processes: mesh.tensor would"
+    for training in (True, False):
+        with pytest.raises(ValueError, match=message):
+            config_lib.check_devices(config, 16, num_processes=16, training=training)
+    config_lib.check_devices(config, 16, num_processes=8)  # 2 devices a process: one pair each
 
 
 def test_checkpoint_from_another_process_count_is_refused(tmp_path):

@@ -481,6 +481,11 @@ def check_devices(
     for key, rows in batches.items():
         if rows % shards:
             raise ValueError(f"{key}={rows} must be divisible by {where}")
+    if shards % num_processes:  # each process reads the rows of its own devices' shards
+        raise ValueError(
+            f"{where} must be a multiple of the {num_processes} processes: mesh.tensor would "
+            "span processes, each reading other rows for what must be one copy of them"
+        )
     if not training:
         return
     if (t.batch_size // t.grad_accum_steps) % shards:
