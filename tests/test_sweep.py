@@ -144,6 +144,26 @@ def test_product_zip_and_point_names():
 # Configs and validation --------------------------------------------------------------------
 
 
+def test_numpy_grid_values_load_as_python_values(tmp_path):
+    """np.arange / np.linspace grids: their values reach the flags, names and the HParams JSON
+    (json.dumps refuses numpy scalars) as int, float and bool."""
+    path = tmp_path / "numpy_sweep.py"
+    path.write_text(
+        "import numpy as np\nfrom xformer import sweep\nBASE = 'configs/ptb_xl.py'\n"
+        "def get_sweep():\n    return sweep.product(sweep.grid('model.mem_len', "
+        "list(np.arange(0, 140, 70))), sweep.grid('train.learning_rate', "
+        "list(np.linspace(1e-3, 2e-3, 2))),"
+        " sweep.grid('model.untie_relative_biases', [np.bool_(True)]))\n"
+    )
+    points = sweep.load(str(path)).points
+    assert [type(v) for v in points[0].values()] == [int, float, bool]
+    assert json.loads(json.dumps(points)) == [
+        {"model.mem_len": m, "train.learning_rate": lr, "model.untie_relative_biases": True}
+        for m in (0, 70)
+        for lr in (1e-3, 2e-3)
+    ]
+
+
 def test_overrides_round_trip_through_the_command_line(tmp_path):
     base = str(ROOT / "configs" / "ptb_xl.py")
     point = {

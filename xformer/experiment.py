@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 from typing import Any
 
 import jax
@@ -232,10 +233,10 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str, accept_change
     `accept_changes`."""
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f".writable.{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        # A unique name: the processes of a multi-host run (in containers, often of one pid)
+        # probe a shared workdir at once.
+        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".writable."):
+            pass
     except OSError as e:
         raise ValueError(f"workdir {workdir!r} is not writable: {e}") from None
     averaged = os.path.join(workdir, AVERAGED_FILE)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import ml_collections
+import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
@@ -197,10 +198,20 @@ def load(path: str) -> Sweep:
     spec.loader.exec_module(module)
     if not isinstance(getattr(module, "BASE", None), str) or not hasattr(module, "get_sweep"):
         raise ValueError(f"{path} must define BASE (a config path) and get_sweep()")
-    points = [dict(point) for point in module.get_sweep()]
+    points = [{k: _plain(v) for k, v in point.items()} for point in module.get_sweep()]
     if not points:
         raise ValueError(f"{path}: get_sweep() returned no points")
     return Sweep(base=_resolve_base(module.BASE), points=points, names=point_names(points))
+
+
+def _plain(value: Any) -> Any:
+    """A grid value with numpy scalars (np.arange, np.linspace) as Python's int, float or bool:
+    the run's HParams are JSON, which has no numpy types."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 def point_config(base: str, point: Point) -> ml_collections.ConfigDict:
