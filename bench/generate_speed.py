@@ -55,7 +55,7 @@ def load_config(spec: str):
     module_spec = importlib.util.spec_from_file_location("bench_config", os.path.join(ROOT, path))
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return module.get_config(variant)
+    return module.get_config(variant) if variant else module.get_config()  # (some take none)
 
 
 def model_state(spec: str, args, **changes) -> tuple:

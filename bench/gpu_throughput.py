@@ -352,7 +352,9 @@ def run_setting(spec: dict) -> dict:
     result["peak_tflops"], result["peak_source"] = peak, source
     if result["status"] == "ok" and peak:
         per_s = 1.0 / result["step_s"] / (peak * 1e12)
-        result["mfu"] = result["flops_analytic"] * per_s
+        # The model FLOPs are of the global batch, over every device's peak; XLA's cost analysis
+        # counts one device's program.
+        result["mfu"] = result["flops_analytic"] * per_s / result["devices"]
         result["mfu_xla"] = result["flops_xla"] * per_s if result["flops_xla"] else None
     return result
 
@@ -388,7 +390,7 @@ def _measure(spec: dict, workdir: str, jax, train_lib) -> dict:
     step_bytes = compiled_step_bytes(compiled)
     hlo = compiled.as_text() or ""
 
-    count = 0
+    count, metrics = 0, None
     for _ in range(spec["warmup"]):
         state, metrics = compiled(state, rng_state, batches[count % len(batches)])
         count += 1

@@ -17,7 +17,6 @@ goes to --output.
 """
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -71,8 +70,10 @@ def main() -> None:
     for name, fn in forms.items():  # adaptive.py calls the function by this name when traced
         adaptive.log_softmax_at = fn
         states[name] = exp.init_state(task.init_carry())
-        step = jax.jit(functools.partial(train_lib.train_step, task), donate_argnums=0)
-        steps[name] = step.lower(states[name], rng_state, batches[0]).compile()
+        platform = exp.mesh.devices.flat[0].platform  # (as train.py compiles its step)
+        lowered = train_lib.lower_train_step(task, states[name], rng_state, batches[0], platform)
+        steps[name] = train_lib.compile_step(lowered, platform)
+        states[name] = train_lib.in_step_layouts(states[name], steps[name])
     adaptive.log_softmax_at = forms["custom VJP"]
 
     times, losses, count = {name: [] for name in forms}, {name: [] for name in forms}, 0

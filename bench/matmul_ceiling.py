@@ -48,7 +48,9 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--inner", type=int, default=1, help="products per timed window")
+    parser.add_argument(
+        "--inner", type=int, default=1, help="products per timed window (the copy: 5 copies)"
+    )
     parser.add_argument("--copy_gib", type=float, default=0.0, help="also time a copy")
     args = parser.parse_args()
     device = jax.devices()[0]

@@ -575,3 +575,14 @@ def _four_devices() -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(_four_devices()))
+
+
+def test_capacity_rows_are_the_same_in_the_model_and_in_flops():
+    """adaptive_capacity x positions, rounded before the ceiling (0.07 x 100 is
+    7.000000000000001 in floating point), at least 1 and at most every position; flops.py
+    counts the rows the model gathers."""
+    from xformer.adaptive import capacity_rows
+
+    cases = {(0.07, 100): 7, (0.15, 9000): 1350, (0.3, 10): 3, (0.3, 11): 4, (1e-9, 5): 1}
+    assert {case: capacity_rows(*case) for case in cases} == cases
+    assert capacity_rows(1.0, 5) == 5

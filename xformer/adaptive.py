@@ -305,6 +305,12 @@ def _compact(
     return rows, jnp.arange(size) < count, jnp.clip(slot, 0, size - 1), count > cap
 
 
+def capacity_rows(capacity: float, n: int) -> int:
+    """The rows a tail cluster gathers of `n` positions at model.adaptive_capacity `capacity`
+    (rounded first: 0.07 * 100 is 7.000000000000001, 7 rows, not 8)."""
+    return min(n, max(1, math.ceil(round(capacity * n, 6))))
+
+
 def _sparse_tail_logp(capacity, h, local, member, w, b, proj) -> jax.Array:
     """`_dense_tail_logp` [N] computed on the (at most cap = ceil(capacity * N)) member rows
     only. With more members
@@ -317,7 +323,7 @@ def _sparse_tail_logp(capacity, h, local, member, w, b, proj) -> jax.Array:
     members still overflow). bench/gpu_compile.py, wt103_xl bf16 fused on an H100 (cap 1,350
     -> blocks of 1,352): 10 pad kernels fewer, floor 22.01 -> 21.72 ms."""
     n, d = h.shape
-    cap = min(n, max(1, math.ceil(round(capacity * n, 6))))
+    cap = capacity_rows(capacity, n)
     size = -(-cap // ROW_MULTIPLE) * ROW_MULTIPLE
     chunks = -(-n // size)
     # constants (numpy): the custom VJP's rules close over them

@@ -12,12 +12,12 @@ loss and the optimizer are left out (a few percent at d_model 512).
 """
 
 import dataclasses
-import math
 import re
 from typing import Any
 
 import ml_collections
 
+from xformer.adaptive import capacity_rows
 from xformer.model_config import LMConfig, StackConfig, TransformerConfig
 
 # Dense bfloat16 TFLOP/s of one device, by a pattern that jax's device_kind matches (re.search;
@@ -151,6 +151,6 @@ def _adaptive_macs(cfg: LMConfig, positions: int) -> int:
             macs += positions * proj
         rows = positions
         if i and cfg.adaptive_capacity:
-            rows = min(positions, math.ceil(cfg.adaptive_capacity * positions))
+            rows = capacity_rows(cfg.adaptive_capacity, positions)
         macs += rows * (proj + dim * (end - start + (tails if i == 0 else 0)))
     return macs
