@@ -447,6 +447,40 @@ def hold_lock(path: str) -> subprocess.Popen:
     return child
 
 
+HOLD_LOCK_THEN_LAUNCH = """
+import sys
+from xformer import launch, locks
+with locks.exclusive(sys.argv[1]) as taken_by:
+    assert taken_by is None
+    launch.run(["python", "-c", "import time; print('started', flush=True); time.sleep(600)"])
+"""
+
+
+def test_a_points_command_keeps_its_lock_when_the_sweep_dies(tmp_path):
+    """The sweep (here a stand-in) hands its point's lock to the train.py it starts: killed
+    with kill -9, it leaves the point locked until that train.py ends."""
+    path = str(tmp_path / "point.lock")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK_THEN_LAUNCH, path],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the child's group, to end it below
+    )
+    try:
+        assert parent.stdout.readline().startswith("python -c")  # launch.run's echo
+        assert parent.stdout.readline().strip() == "started"
+        parent.kill()
+        parent.wait()
+        assert sweep.locks.holder(path)["pid"] == parent.pid  # held by the orphan child
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the child, in the dead parent's group
+    deadline = time.time() + 30
+    while sweep.locks.holder(path) is not None and time.time() < deadline:
+        time.sleep(0.1)
+    assert sweep.locks.holder(path) is None
+
+
 def test_seeds_repeat_every_point():
     points = sweep.seeds(sweep.grid("model.positional", ["rope", "alibi"]), [0, 1, 2])
     assert len(points) == 6

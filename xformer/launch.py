@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from xformer import locks
 from xformer.files import write_json
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -46,7 +47,9 @@ def run(
     args = [sys.executable, *cmd[1:]]
     with open(log, "w") if log else contextlib.nullcontext() as f:
         stdout = subprocess.PIPE if capture else f
-        child = subprocess.Popen(args, cwd=cwd, stdout=stdout, stderr=f, text=True)
+        child = subprocess.Popen(
+            args, cwd=cwd, stdout=stdout, stderr=f, text=True, pass_fds=locks.held()
+        )
         with _forwarding_signals(child) as forwarded:
             out, _ = child.communicate()
     result = subprocess.CompletedProcess(args, child.returncode, out)

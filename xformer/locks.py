@@ -75,9 +75,21 @@ def exclusive(path: str) -> Iterator[dict | None]:
         return
     try:
         _sign(fd)
+        _HELD.add(fd)
         yield None
     finally:
+        _HELD.discard(fd)
         os.close(fd)
+
+
+# The descriptors of the `exclusive` locks this process holds. launch.run hands them to the
+# commands it starts: a flock belongs to the open file, so a point's train.py keeps its point
+# locked if the sweep that started it dies (else another job would train the same workdir).
+_HELD: set[int] = set()
+
+
+def held() -> tuple[int, ...]:
+    return tuple(sorted(_HELD))
 
 
 @contextlib.contextmanager
