@@ -426,6 +426,35 @@ def test_a_point_trained_with_another_config_is_not_finished(tmp_path):
         sweep.remaining(str(tmp_path), other_model)
 
 
+def test_a_point_evaluated_again_keeps_no_result_of_its_old_settings(tmp_path, monkeypatch):
+    """A finished point swept with other evaluation settings trains (finished: nothing) and
+    evaluates again; an eval.py interrupted then leaves no test result of the old settings, so
+    the next sweep evaluates it (it read the old result as the point's)."""
+    monkeypatch.chdir(ROOT)
+    s = sweep.load(str(write_sweep(tmp_path, str(tmp_path / "tfds"))))
+    root, name = str(tmp_path / "root"), NAMES[0]
+    workdir = Path(s.workdir(root, name))
+    config = sweep.point_config(s.base, s.points[0])
+    earlier = config.copy_and_resolve_references()
+    earlier.eval.mem_len = 0
+    (workdir / "checkpoints" / "3").mkdir(parents=True)
+    (workdir / "config.json").write_text(earlier.to_json())
+    (workdir / "done.json").write_text(json.dumps({"step": 3, "reason": "num_steps"}))
+    (workdir / "eval_test.json").write_text(json.dumps({"step": 3, "perplexity": 99.0}))
+
+    def launched(cmd, echo):
+        if Path(cmd[1]).name == "train.py":  # finished: it only records the new config
+            (workdir / "config.json").write_text(config.to_json())
+            return subprocess.CompletedProcess(cmd, 0)
+        return subprocess.CompletedProcess(cmd, EXIT_STOPPED)  # eval.py preempted
+
+    monkeypatch.setattr(sweep.launch, "run", launched)
+    with pytest.raises(sweep.launch.StoppedError):
+        sweep.run(s, root, echo=lambda line: None, point=0)
+    assert not (workdir / "eval_test.json").exists()
+    assert sweep.remaining(str(workdir), config) == ["eval"]
+
+
 # Sweeps over several jobs: --point, locks, --list; seeds; the HParams dashboard ------------
 
 HOLD_LOCK = """

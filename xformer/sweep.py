@@ -414,6 +414,12 @@ def run(
             echo(
                 f"{label}: {({0: 'finished: skip', 1: 'trained: eval', 2: 'run'})[len(todo[name])]}"
             )
+            # A test result of earlier settings must not outlive an eval.py that is interrupted.
+            result = os.path.join(
+                sweep.workdir(root, name), f"eval_{configs[name].data.test_split}.json"
+            )
+            if todo[name] and os.path.exists(result):
+                os.remove(result)
             for cmd in (train, evaluate)[2 - len(todo[name]) :]:
                 try:
                     returncode = launch.run(cmd, echo=echo).returncode
