@@ -485,6 +485,25 @@ with locks.exclusive(sys.argv[1]) as taken_by:
 """
 
 
+def test_a_lock_probed_at_that_instant_is_not_taken(tmp_path, monkeypatch):
+    """`holder` (--list) takes and releases a lock to see whether it is free: a job that tries
+    the lock in that instant tries again, rather than skipping a point nobody runs."""
+    from xformer import locks
+
+    path = str(tmp_path / "point.lock")
+    try_lock, tries = locks._try_lock, []
+
+    def busy_twice(lock_path: str) -> int | None:
+        tries.append(lock_path)
+        return None if len(tries) <= 2 else try_lock(lock_path)
+
+    monkeypatch.setattr(locks, "_try_lock", busy_twice)
+    with locks.exclusive(path) as taken_by:
+        assert taken_by is None and len(tries) == 3
+        assert locks.held() and json.loads(Path(path).read_text())["pid"] == os.getpid()
+    assert not locks.held()
+
+
 def test_a_points_command_keeps_its_lock_when_the_sweep_dies(tmp_path):
     """The sweep (here a stand-in) hands its point's lock to the train.py it starts: killed
     with kill -9, it leaves the point locked until that train.py ends."""

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 
 _UNKNOWN = {"host": "?", "pid": "?", "since": None}
+# `exclusive` tries this many more times, this far apart, before it finds a lock taken.
+PROBE_RETRIES, PROBE_RETRY_S = 10, 0.1
 
 
 def _open(path: str) -> int:
@@ -44,8 +46,8 @@ def _sign(fd: int) -> None:
 
 def holder(path: str) -> dict | None:
     """Who holds the lock of `path` ({"host", "pid", "since"}), or None when it is free. (It
-    probes by taking and at once releasing the lock: a job starting in that instant would find
-    the point taken and skip it.)"""
+    probes by taking and at once releasing the lock; `exclusive` tries again for a second, so a
+    job starting in that instant does not find the point taken.)"""
     if not os.path.exists(path):
         return None
     fd = _try_lock(path)
@@ -70,6 +72,11 @@ def exclusive(path: str) -> Iterator[dict | None]:
     """Hold the lock of `path` for the block: yields None when this process holds it, or the
     other holder's info when it is taken (the block must then leave the point alone)."""
     fd = _try_lock(path)
+    for _ in range(PROBE_RETRIES):  # (a `holder` probe holds the lock for an instant)
+        if fd is not None:
+            break
+        time.sleep(PROBE_RETRY_S)
+        fd = _try_lock(path)
     if fd is None:
         yield holder(path) or dict(_UNKNOWN)
         return
