@@ -163,8 +163,10 @@ step_empty_rows() {  # NaN gradients from rows that see no key, at 64 mod 128 ke
 
 step_clean() { throughput clean --configs wmt14 --impls fused; }
 step_packed_attn() {  # cuDNN on packed rows: the mask as a bias against per-segment offsets
-  run packed_attn 95 "$PY" bench/gpu_packed_attention.py
-  show packed_attn "^\| (encoder|decoder|cross)|Error"
+  local sizes=()
+  [[ "${QUICK:-0}" == 1 ]] && sizes=(--check --rows 2 --length 128)  # (cuDNN: GPU only)
+  run packed_attn 95 "$PY" bench/gpu_packed_attention.py "${sizes[@]}"
+  show packed_attn "^\| (encoder|decoder|cross)|^check:|Error"
 }
 step_packed() {
   throughput packed --configs wmt14 --impls fused_packed --set data.max_pairs_per_row=16
@@ -187,7 +189,8 @@ step_ceilings() {
 
 step_translate() {  # eval.py's beam and greedy search with the base model (random weights)
   local size=(--config=configs/wmt14_ende.py --vocab_size=32000)
-  [[ "${QUICK:-0}" == 1 ]] && size=(--batch_size 4 --src_len 8 --repeats 1)
+  [[ "${QUICK:-0}" == 1 ]] && size=(--config=configs/wmt14_ende.py --vocab_size=1000
+    --batch_size 4 --src_len 8 --repeats 1)
   run translate 60 "$PY" bench/translate_speed.py "${size[@]}" --one_loop \
     --output="$LOGS/translate.json"
   show translate "^\| (beam|greedy)|Error"
