@@ -287,10 +287,11 @@ def compare(workdirs: Sequence[str]) -> Comparison:
         metric_columns[f"best_{val}_{m.name}"] = metric_columns[f"{test}_{m.name}"] = m
     rows, notes, shown = [], commit_notes(runs, names), {}
     for name, run, run_mfu in zip(names, runs, mfu, strict=True):
-        for note in (run.averaged_note(), run.stale_test()):
+        stale = run.stale_test()
+        for note in (run.averaged_note(), stale):
             if note:
                 notes.append(f"{name}: {note}")
-        test_result = None if run.stale_test() else run.test
+        test_result = None if stale else run.test
         if test_result is not None:
             shown[name] = test_result
         row = [

@@ -295,11 +295,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if d.source_lang == d.target_lang and m.family == "encoder_decoder":
         raise ValueError("data.source_lang and data.target_lang must differ")
-    for key, value in _family_keys_set(config, m.family):
-        raise ValueError(
-            f"{key} is for {_OTHER[m.family]} runs; a {m.family} run does not read it (it is "
-            f"{value!r}, leave it at {flatten(base_config())[key]!r})"
-        )
+    other = _OTHER[m.family]
+    for key in FAMILY_KEYS[other]:
+        if not same_value(given[key], schema[key]):
+            raise ValueError(
+                f"{key} is for {other} runs; a {m.family} run does not read it (it is "
+                f"{given[key]!r}, leave it at {schema[key]!r})"
+            )
     for key in ("max_pairs_per_row", "num_packing_bins", "input_shards"):
         if d[key] < 0:
             raise ValueError(f"data.{key} must be >= 0, got {d[key]}")
@@ -392,16 +394,6 @@ FAMILY_KEYS = {
     ),
 }
 _OTHER = {"encoder_decoder": "decoder_only", "decoder_only": "encoder_decoder"}
-
-
-def _family_keys_set(config: ml_collections.ConfigDict, family: str) -> list[tuple[str, Any]]:
-    """(key, value) of the other family's FAMILY_KEYS that `config` moved from the default."""
-    given, defaults = flatten(config), flatten(base_config())
-    return [
-        (key, given[key])
-        for key in FAMILY_KEYS[_OTHER[family]]
-        if not same_value(given[key], defaults[key])
-    ]
 
 
 # What a resumed run may change without changing what it computes: how long it trains, how

@@ -513,7 +513,7 @@ def train_and_evaluate(
     # Training seconds, cumulative across resumes: compilation, start-up, metric writing,
     # checkpoints and evaluation excluded.
     interval_start = float(progress.get("train_seconds", 0.0))
-    clock = TrainClock(interval_start)
+    clock = TrainClock(interval_start)  # (a finished run's; the loop's starts after compiling)
     done_path = os.path.join(workdir, DONE_FILE)
     # train.max_train_seconds is a budget for the whole run: the wall time of the loops of every
     # start so far (up to its last checkpoint) counts, validation passes excluded (a slower
