@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -455,6 +456,34 @@ def test_a_point_evaluated_again_keeps_no_result_of_its_old_settings(tmp_path, m
     assert sweep.remaining(str(workdir), config) == ["eval"]
 
 
+def test_a_signal_between_commands_starts_nothing_more(tmp_path, monkeypatch):
+    """SIGTERM (or Ctrl-C) that reaches the sweep between its commands, e.g. as train.py
+    returns, is kept until the next command would start: eval.py never starts and the sweep
+    stops with StoppedError (exit 75), where it died with 143 (SIGINT: a traceback) before."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("Python handles signals in the main thread only")
+    monkeypatch.chdir(ROOT)
+    s = sweep.load(str(write_sweep(tmp_path, str(tmp_path / "tfds"))))
+    root, started = str(tmp_path / "root"), tmp_path / "started"
+    run_command = sweep.launch.run
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def launched(cmd, echo):
+        if Path(cmd[1]).name == "train.py":  # trained; the signal comes as it returns
+            os.kill(os.getpid(), signal.SIGTERM)
+            return subprocess.CompletedProcess(cmd, 0)
+        return run_command(["python", "-c", f"open({str(started)!r}, 'w')"], echo=echo)
+
+    monkeypatch.setattr(sweep.launch, "run", launched)
+    with pytest.raises(sweep.launch.StoppedError, match=r"SIGTERM before python -c"):
+        sweep.run(s, root, echo=lambda line: None, point=0)
+    assert not started.exists()
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # restored
+    assert not sweep.launch._deferred
+
+
 # Sweeps over several jobs: --point, locks, --list; seeds; the HParams dashboard ------------
 
 HOLD_LOCK = """
@@ -730,6 +759,27 @@ def test_a_finished_point_gets_an_hparams_session(tmp_path):
         }
         assert values["test/perplexity"].simple_value == want
     assert values["train/final_loss"].simple_value == 3.5
+
+    # Interrupted while writing (a signal, a full disk): no entry at all, which the next
+    # finished-point check writes whole (a half-written one was kept for good).
+    shutil.rmtree(workdir / "tensorboard")
+    write_summary = sweep.write_hparams_summary
+
+    def interrupted(logdir, *args):
+        write_summary(logdir, *args)
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sweep, "write_hparams_summary", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            sweep.write_hparams(str(workdir), point)
+    assert not (workdir / "tensorboard" / "hparams").exists()
+    sweep.write_hparams(str(workdir), point)
+    values = {
+        v.tag: v for e in read_events(workdir / "tensorboard" / "hparams") for v in e.summary.value
+    }
+    assert values["test/perplexity"].simple_value == 99.0
+    assert not (workdir / ".hparams.partial").exists()
     assert len(list((workdir / "tensorboard" / "hparams").iterdir())) == 1
 
     # Trained further without evaluating again: the step-6 test result is not the point's.

@@ -4,7 +4,10 @@ as the command line a user would type ("python train.py ...").
 SIGINT and SIGTERM sent to this process while a command runs are forwarded to it, and this
 process waits for it to exit (train.py finishes its step and checkpoints): it is never killed.
 A Ctrl-C or a scheduler that signals every process of a job thus reaches the command twice
-within milliseconds, which train.py takes as one request (xformer/preemption.py).
+within milliseconds, which train.py takes as one request (xformer/preemption.py). Inside
+`signals_deferred()` a signal that arrives between commands is kept: the next `run` starts
+nothing and raises StoppedError (no KeyboardInterrupt traceback, no exit in the middle of
+bookkeeping).
 """
 
 import contextlib
@@ -24,7 +27,11 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StoppedError(Exception):
-    """A command exited after a signal was forwarded to it: whatever runs it should stop too."""
+    """A command exited after a signal was forwarded to it, or a signal came between commands:
+    whatever runs it should stop too."""
+
+
+_deferred: list[str] = []  # the names of the signals kept by signals_deferred(), in order
 
 
 def print_now(line: str) -> None:
@@ -43,6 +50,8 @@ def run(
     """Run `cmd` ("python script.py ...") with sys.executable. Its output goes to the file `log`
     when given (stdout to the result instead, with capture); with check, a failure raises
     RuntimeError. StoppedError when a signal was forwarded to it (see the module docstring)."""
+    if _deferred:
+        raise StoppedError(f"{'+'.join(_deferred)} before {shlex.join(cmd)} started")
     echo(shlex.join(cmd))
     args = [sys.executable, *cmd[1:]]
     with open(log, "w") if log else contextlib.nullcontext() as f:
@@ -85,8 +94,31 @@ def _forwarding_signals(child: subprocess.Popen) -> Iterator[list[str]]:
         child.send_signal(signum)  # nothing once the child has been reaped
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    for name in _deferred:  # arrived after run() checked, before these handlers were set
+        forward(signal.Signals[name], None)
     try:
         yield forwarded
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Within: a FORWARDED_SIGNALS signal that arrives while no command runs is kept rather
+    than acted on; the next `run` raises StoppedError instead of starting its command (main
+    thread only; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def keep(signum: int, frame) -> None:
+        _deferred.append(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, keep) for s in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _deferred.clear()

@@ -31,6 +31,7 @@ compared with the config a point's workdir already holds: a point trained with a
 is not finished (it resumes where only config.RESUMABLE keys differ; else the sweep refuses).
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -348,12 +349,14 @@ def list_points(sweep: Sweep, root: str, echo: Callable[[str], None] | None = No
 def write_hparams(workdir: str, point: Point, refresh: bool = False) -> None:
     """The finished point's entry in TensorBoard's HParams dashboard (its overrides and final
     metrics) under <workdir>/tensorboard/hparams: written once, and rewritten with `refresh`
-    (after the point trained or was evaluated again, e.g. with a larger train.num_steps)."""
+    (after the point trained or was evaluated again, e.g. with a larger train.num_steps). It is
+    written beside and moved into place: an interrupted write leaves no entry, not half of one
+    that later runs would keep."""
     logdir = os.path.join(workdir, "tensorboard", "hparams")
-    if os.path.isdir(logdir):
-        if not refresh:
-            return
-        shutil.rmtree(logdir)
+    if os.path.isdir(logdir) and not refresh:
+        return
+    partial = os.path.join(workdir, ".hparams.partial")  # moved into place once whole
+    shutil.rmtree(partial, ignore_errors=True)
     run = compare_lib.Run.load(workdir)
     metrics = {}
     test = None if run.stale_test() else run.test  # (of an earlier step: not the point's)
@@ -363,7 +366,10 @@ def write_hparams(workdir: str, point: Point, refresh: bool = False) -> None:
     final = (run.done or {}).get("metrics", {})
     if "loss" in final:
         metrics["train/final_loss"] = float(final["loss"])
-    write_hparams_summary(logdir, point, metrics, run.steps() or 0)
+    write_hparams_summary(partial, point, metrics, run.steps() or 0)
+    shutil.rmtree(logdir, ignore_errors=True)
+    os.makedirs(os.path.dirname(logdir), exist_ok=True)
+    os.rename(partial, logdir)
 
 
 def run(
@@ -380,9 +386,19 @@ def run(
     skipped and left out. A dry run prints every point's exact command lines and runs nothing.
     A failing command stops its point; the other points still run, and RuntimeError names the
     failures at the end. A signal (SIGINT, SIGTERM) waits for the running command, which
-    checkpoints, and stops the sweep: launch.StoppedError, after which nothing else starts.
+    checkpoints, and stops the sweep: launch.StoppedError, after which nothing else starts; a
+    signal between commands (or during the checks) stops it before its next command.
     """
-    echo = echo or launch.print_now
+    with contextlib.nullcontext() if dry_run else launch.signals_deferred():
+        return _run(sweep, root, dry_run, echo or launch.print_now, point)
+
+
+_ACTIONS = {0: "finished: skip", 1: "trained: eval", 2: "run"}  # by the number of steps left
+
+
+def _run(
+    sweep: Sweep, root: str, dry_run: bool, echo: Callable[[str], None], point: int | None
+) -> dict[str, list[str]]:
     names = select(sweep, point)
     configs = _configs(sweep, names)
     count = len(sweep.points)
@@ -398,9 +414,7 @@ def run(
         train, evaluate = commands(sweep, root, name)
         label = f"# [{i}] {name}"
         if dry_run:
-            echo(
-                f"{label}: {({0: 'finished: skip', 1: 'trained: eval', 2: 'run'})[len(todo[name])]}"
-            )
+            echo(f"{label}: {_ACTIONS[len(todo[name])]}")
             echo(shlex.join(train))
             echo(shlex.join(evaluate))
             continue
@@ -411,9 +425,7 @@ def run(
                 continue
             # Checked again under the lock: another job may have finished it meanwhile.
             todo[name] = remaining(sweep.workdir(root, name), configs[name])
-            echo(
-                f"{label}: {({0: 'finished: skip', 1: 'trained: eval', 2: 'run'})[len(todo[name])]}"
-            )
+            echo(f"{label}: {_ACTIONS[len(todo[name])]}")
             # A test result of earlier settings must not outlive an eval.py that is interrupted.
             result = os.path.join(
                 sweep.workdir(root, name), f"eval_{configs[name].data.test_split}.json"
