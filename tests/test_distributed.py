@@ -187,6 +187,29 @@ def test_input_shards_join_into_the_same_batches():
         np.testing.assert_array_equal(value, expected[key])
 
 
+def test_input_shards_draw_their_own_orders():
+    """Shard s holds lines s, s + 4, ... of the corpus: drawn in one shared order, the 4 shards
+    of a global batch took lines 4k to 4k + 3 together (neighbouring sentences of a document
+    in one batch, every epoch); in their own orders a line meets its next one by chance."""
+    rng = np.random.default_rng()
+    lengths = rng.integers(4, 12, size=4000)
+    src = [np.full(n, 4 + i, np.int32) for i, n in enumerate(lengths)]  # tokens name the line
+    tgt = [rng.integers(4, 50, n).astype(np.int32) for n in lengths]
+    pairs = EncodedPairs.from_sequences(src, tgt)
+    seed = int(rng.integers(2**31))
+    batches = iter(
+        packed_train_dataset(
+            pairs, batch_size=32, max_length=32, seed=seed, num_shards=4, shards=range(4)
+        )
+    )
+    together = total = 0
+    for _ in range(8):
+        lines = {int(t) - 4 for t in np.unique(next(batches)["src"]) if t >= 4}
+        together += sum(i + 1 in lines for i in lines)
+        total += len(lines)
+    assert together / total < 0.15, (together, total, seed)  # by chance ~0.02
+
+
 def test_input_shards_must_divide_over_processes_and_rows():
     config = config_lib.base_config()
     config.train.batch_size = 12

@@ -32,7 +32,8 @@ class PackedPairs(grain.IterDataset):
     "tgt_segments", "tgt_positions": [rows_per_batch, length] int32}. Segment ids count a row's
     pairs from 1 (0 = padding), positions restart at 0 for each pair, and tgt_in is BOS + tgt_out
     without its last token, pair by pair. `max_pairs`: the most pairs a row holds (0: no
-    limit)."""
+    limit). `shard`: which input shard these members are; each shard draws its own order, so
+    the shards of a global batch do not take their members in step."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class PackedPairs(grain.IterDataset):
         rows_per_batch: int,
         seed: int,
         max_pairs: int = 0,
+        shard: int = 0,
     ):
         super().__init__()
         if len(members) == 0:
@@ -54,6 +56,7 @@ class PackedPairs(grain.IterDataset):
         self.pairs, self.members = pairs, np.asarray(members, np.int64)
         self.length, self.num_bins = length, num_bins
         self.rows_per_batch, self.seed, self.max_pairs = rows_per_batch, seed, max_pairs
+        self.shard = shard
 
     def __iter__(self) -> "PackedPairsIterator":
         return PackedPairsIterator(self)
@@ -101,7 +104,10 @@ class PackedPairsIterator(grain.DatasetIterator):
         """(source lengths, target lengths, member positions) of the pairs in epoch order."""
         if self._epoch is None or self._epoch[0] != epoch:
             spec = self._spec
-            order = np.random.default_rng([spec.seed, epoch]).permutation(len(spec.members))
+            # Shard 0 keeps a single-shard run's order. The others must differ: shard s holds
+            # lines s, s + n, ... so one shared order batches n neighbouring lines together.
+            key = [spec.seed, epoch] + ([spec.shard] if spec.shard else [])
+            order = np.random.default_rng(key).permutation(len(spec.members))
             chosen = spec.members[order]
             src_len = spec.pairs.src.lengths[chosen].tolist()
             tgt_len = spec.pairs.tgt.lengths[chosen].tolist()

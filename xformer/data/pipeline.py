@@ -135,6 +135,7 @@ def packed_train_dataset(
             rows_per_batch=rows,
             seed=seed,
             max_pairs=max_pairs_per_row,
+            shard=s,
         )
 
     if len(shards) == 1:
