@@ -240,6 +240,12 @@ def test_temperature_zero_is_argmax_and_low_temperature_sampling_matches_it():
     cold = Sampling(temperature=1e-3)  # logit gaps of 0.1 become 100
     draws = jax.vmap(lambda k: sample_tokens(k, jnp.asarray(logits), cold))(keys)
     np.testing.assert_array_equal(np.asarray(draws), np.broadcast_to(greedy, (200, 6)))
+    # Near-uniform log-probabilities (all below -5.2) over a tiny temperature: every one
+    # divided by it overflows to -inf, where a draw returned token 0.
+    log_probs = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(6, 200)) * 0.01, jnp.float32))
+    assert float(log_probs.max()) < -5.2
+    draws = jax.vmap(lambda k: sample_tokens(k, log_probs, Sampling(1.5e-38)))(keys)
+    np.testing.assert_array_equal(draws, np.broadcast_to(log_probs.argmax(-1), (200, 6)))
 
 
 @pytest.mark.parametrize(

@@ -50,14 +50,18 @@ class Sampling:
 
 
 def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """logits [B, V] -> logits / temperature [B, V] (float32 or wider), -inf outside the kept set.
+    """logits [B, V] -> (logits - row max) / temperature [B, V] (float32 or wider: the same
+    distribution as logits / temperature), -inf outside the kept set.
 
     Top-k keeps the tokens whose logit is at least the k-th largest. Top-p then keeps, in the
     distribution top-k left, a token when the tokens more likely than it hold less than top_p
     of the probability (so at least the most likely one); ties at either cut are all kept.
     """
     temperature = sampling.temperature or 1.0
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32)) / temperature
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    # Shifted first: at a tiny temperature every logit / temperature can overflow to -inf, and
+    # a draw over a row of -inf returns token 0; shifted, the most likely token stays at 0.
+    logits = (logits - logits.max(-1, keepdims=True)) / temperature
     if sampling.top_k:
         kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
