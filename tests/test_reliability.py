@@ -100,8 +100,9 @@ def test_interrupted_run_equals_uninterrupted_bit_for_bit(family, tmp_path, tfds
     result = translation.run(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "already finished at step 6" in result.stderr
-    # As if killed after that validation, before writing done.json: the next start validates
-    # again, and metrics.jsonl keeps one validation row of step 6 (checked below).
+    # As if killed after that validation, before writing done.json: the next start takes the
+    # validation's logged row (it validated again), and metrics.jsonl keeps one validation row
+    # of step 6 (checked below).
     (run / "done.json").unlink()
     result = translation.run(cmd)
     assert result.returncode == 0 and "already finished at step 6" in result.stderr
@@ -132,6 +133,30 @@ def test_interrupted_run_equals_uninterrupted_bit_for_bit(family, tmp_path, tfds
     seconds = metrics(run, "train/train_seconds")
     assert 0 < seconds[1] and all(seconds[s] < seconds[s + 1] for s in range(1, 6))
     assert metrics(run, "train/nonfinite_steps_total")[6] == 0
+
+    # Killed during the final validation (its checkpoint saved, its row not yet logged): the
+    # next start validates and marks the run done with the validation's metrics (it found the
+    # run finished and wrote done.json without them); a start after that validates no more.
+    rows, dropped = (ref / "metrics.jsonl").read_text().splitlines(), val_rows(ref, 6)
+    assert dropped
+    (ref / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if r not in dropped))
+    (ref / "done.json").unlink()
+    for rerun in range(2):
+        result = translation.run(train_cmd(ref, tfds_dir, *STEPS))
+        assert result.returncode == 0 and "already finished at step 6" in result.stderr
+        validated = re.search(r"eval \S+ at step 6: ", result.stderr) is not None
+        assert validated == (rerun == 0), result.stderr[-3000:]
+        done = json.loads((ref / "done.json").read_text())
+        assert {k: done["metrics"][k] for k in val} == {k: ref_done["metrics"][k] for k in val}
+        assert logged_steps(ref)[1].count(6) == 1
+
+
+def val_rows(workdir: Path, step: int) -> list[str]:
+    """The validation rows of `step` in metrics.jsonl, as written."""
+    rows = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [
+        r for r in rows if json.loads(r)["step"] == step and "train/loss" not in r and "/nll" in r
+    ]
 
 
 def test_a_step_fault_stalls_after_the_checkpoints_in_flight(tmp_path, monkeypatch):

@@ -77,6 +77,25 @@ class MetricWriter:
             self._tb.close()
 
 
+def logged_values(workdir: str, step: int, prefix: str) -> dict[str, float] | None:
+    """The values whose names start with `prefix` (stripped) in metrics.jsonl's last row of
+    `step` that has any; None when no row has (or there is no file)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    found = None
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+            values = {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
+            if row.get("step") == step and values:
+                found = values
+    return found
+
+
 def _drop_rows_after(path: str, step: int) -> None:
     """Rewrite the JSONL file `path` without its rows of steps after `step` (and any torn last
     line), under a temporary name renamed over it."""

@@ -437,7 +437,7 @@ def train_and_evaluate(
     cannot run raises config.ConfigError first."""
     # Imported here: tensorboardX serves the loop only, not the users of train_step
     # (bench/gpu_throughput.py runs where it is missing).
-    from xformer.metric_writer import MetricWriter
+    from xformer.metric_writer import MetricWriter, logged_values
 
     try:
         config_lib.validate(config)
@@ -475,8 +475,18 @@ def train_and_evaluate(
     # Only now: a resume that fails leaves config.json describing the checkpoints.
     experiment_lib.save_config(config, workdir)
     last_metrics = progress.get("metrics", {})  # (the metrics of the last logged interval)
-    # A signal stopped the last start at a step due for validation, before validating.
+    # The checkpoint was saved before the validation due at its step, which a signal skipped
+    # or a kill may have interrupted: run it now unless metrics.jsonl holds its row (process
+    # 0's finding, for every process: validating is collective).
     pending_eval = bool(progress.get("pending_eval", False))
+    if pending_eval:
+        split = config.data.eval_split
+        mine = logged_values(workdir, step, f"{split}/") if jax.process_index() == 0 else None
+        logged = distributed.allgather_json(mine)[0]
+        if logged is not None:
+            logging.info("the validation of step %d is logged: not run again", step)
+            last_metrics = {**last_metrics, **{f"val_{k}": v for k, v in logged.items()}}
+            pending_eval = False
     # A start killed while running that validation may have logged it: the step's rows are
     # dropped and its training row rewritten, as TensorBoard purges the whole step.
     writer = MetricWriter(
@@ -673,7 +683,8 @@ def train_and_evaluate(
             eval_due = (step % t.eval_every == 0 or done) and stopped != "signal"
             if checkpoint_due or eval_due:
                 jax.block_until_ready(state)  # the steps so far count as training time
-            # A signal's checkpoint notes the validation it skips, for the next start.
+            # The checkpoint notes the validation due after it (or skipped by a signal): a start
+            # killed before that validation logged its row runs it on resuming.
             skipped_eval = stopped == "signal" and (step % t.eval_every == 0 or step >= t.num_steps)
             if checkpoint_due:
                 with clock.paused():
@@ -682,7 +693,7 @@ def train_and_evaluate(
                         "budget_seconds": budget_before + time.time() - start_time - evaluating,
                         "eval_seconds": eval_seconds + evaluating,
                         "nonfinite_steps": nonfinite.total,
-                        "pending_eval": skipped_eval,
+                        "pending_eval": eval_due or skipped_eval,
                         "metrics": last_metrics,
                     }
                     exp.checkpointer.save(step, state, data_state, progress)
