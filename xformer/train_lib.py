@@ -643,10 +643,12 @@ def train_and_evaluate(
                 if t.max_train_seconds:
                     remaining = min(remaining, t.max_train_seconds - budget_seconds)
                 steps_per_s = len(pending) / dt
+                with clock.paused():  # (a schedule's first call compiles its jnp ops: ~1 s)
+                    learning_rate = float(lr_fn(step - nonfinite.total))
                 last_metrics = {
                     **interval_losses(pending),
                     # of the last applied update: the schedule follows Adam's count of them
-                    "learning_rate": float(lr_fn(step - nonfinite.total)),
+                    "learning_rate": learning_rate,
                     "steps_per_s": steps_per_s,
                     "tokens_per_s": sums["input_tokens"] / dt,
                     "target_tokens_per_s": sums["tokens"] / dt,
