@@ -2,13 +2,14 @@
 
     python bench/ptb_xl_vs_vanilla.py --workdir=workdirs/bench_ptb
 
-Trains configs/ptb_xl.py and then its `vanilla` variant, one after the other, each for at most
-60 minutes on the whole machine. Then it evaluates both with eval.py: XL at its training
-lengths and with longer evaluation memories (the one with the best validation perplexity is
-reported on test); the vanilla model on non-overlapping 70-token segments and with a sliding
-window of 70 tokens moved one token at a time (Al-Rfou et al.; every prediction sees 70 tokens
-of context). A finished training run (done.json in its workdir) is not repeated. Other
-arguments go to both train.py runs, e.g. `--config.train.num_steps=20` for a smoke run.
+Trains configs/ptb_xl.py and then its `vanilla` variant, one after the other, each for its step
+budget (about 60 minutes on the reference machine) on the whole machine. Then it evaluates both
+with eval.py: XL at its training lengths and with longer evaluation memories (the one with the
+best validation perplexity is reported on test); the vanilla model on non-overlapping 70-token
+segments and with a sliding window of 70 tokens moved one token at a time (Al-Rfou et al.;
+every prediction sees 70 tokens of context). A finished training run (done.json in its workdir)
+is not repeated. Other arguments go to both train.py runs, e.g. `--config.train.num_steps=20`
+for a smoke run.
 """
 
 import argparse
