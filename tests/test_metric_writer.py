@@ -61,6 +61,25 @@ def test_a_resumed_writer_drops_the_steps_after_its_checkpoint(tmp_path):
     assert starts == [4]  # (TensorBoard drops the earlier files' events from step 4 on)
 
 
+def test_a_logged_validation_is_found_by_its_step_and_split(tmp_path):
+    """The validation row of a step (not its training row, not another split's, not a line cut
+    by a kill): what a resumed run reads to know that validation finished."""
+    from xformer.train_lib import logged_validation
+
+    writer = MetricWriter(str(tmp_path))
+    writer.write(4, {"loss": 3.0, "nll": 3.0}, prefix="train/")
+    writer.write(4, {"val[:8]/nll": 2.5, "val[:8]/bleu": 7.0, "train/train_seconds": 9.0})
+    writer.write(6, {"loss": 2.0, "nll": 2.0}, prefix="train/")
+    writer.write(6, {"test/nll": 2.0})
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "val[:8]/nll": 1.')
+    assert logged_validation(str(tmp_path), 4, "val[:8]") == {"nll": 2.5, "bleu": 7.0}
+    assert logged_validation(str(tmp_path), 6, "val[:8]") is None
+    assert logged_validation(str(tmp_path), 4, "val") is None
+    assert logged_validation(str(tmp_path / "absent"), 4, "val[:8]") is None
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_tensorboardx_is_imported_without_torch():
     code = "import sys, xformer.metric_writer; print('torch' in sys.modules)"

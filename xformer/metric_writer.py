@@ -5,6 +5,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -77,23 +78,18 @@ class MetricWriter:
             self._tb.close()
 
 
-def logged_values(workdir: str, step: int, prefix: str) -> dict[str, float] | None:
-    """The values whose names start with `prefix` (stripped) in metrics.jsonl's last row of
-    `step` that has any; None when no row has (or there is no file)."""
+def read_rows(workdir: str) -> Iterator[dict]:
+    """The rows of <workdir>/metrics.jsonl in order (none without the file; a line cut by a kill
+    is skipped)."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
-        return None
-    found = None
+        return
     with open(path) as f:
         for line in f:
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill
+                yield json.loads(line)
+            except json.JSONDecodeError:
                 continue
-            values = {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
-            if row.get("step") == step and values:
-                found = values
-    return found
 
 
 def _drop_rows_after(path: str, step: int) -> None:

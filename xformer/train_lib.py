@@ -423,6 +423,19 @@ def interval_losses(pending: list[dict]) -> dict[str, float]:
     }
 
 
+def logged_validation(workdir: str, step: int, split: str) -> dict[str, float] | None:
+    """{name: value} of the validation of `step` on `split` that metrics.jsonl holds (its last
+    such row), or None."""
+    from xformer.metric_writer import read_rows  # (tensorboardX: see train_and_evaluate)
+
+    found, prefix = None, f"{split}/"
+    for row in read_rows(workdir):
+        if row.get("step") == step and "train/loss" not in row:  # (not a training row)
+            values = {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
+            found = values or found
+    return found
+
+
 def count_params(params) -> int:
     """Number of parameters: the summed sizes of the leaves of `params`."""
     return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
@@ -437,7 +450,7 @@ def train_and_evaluate(
     cannot run raises config.ConfigError first."""
     # Imported here: tensorboardX serves the loop only, not the users of train_step
     # (bench/gpu_throughput.py runs where it is missing).
-    from xformer.metric_writer import MetricWriter, logged_values
+    from xformer.metric_writer import MetricWriter
 
     try:
         config_lib.validate(config)
@@ -480,9 +493,8 @@ def train_and_evaluate(
     # 0's finding, for every process: validating is collective).
     pending_eval = bool(progress.get("pending_eval", False))
     if pending_eval:
-        split = config.data.eval_split
-        mine = logged_values(workdir, step, f"{split}/") if jax.process_index() == 0 else None
-        logged = distributed.allgather_json(mine)[0]
+        mine = logged_validation(workdir, step, config.data.eval_split)
+        logged = distributed.allgather_json(mine if jax.process_index() == 0 else None)[0]
         if logged is not None:
             logging.info("the validation of step %d is logged: not run again", step)
             last_metrics = {**last_metrics, **{f"val_{k}": v for k, v in logged.items()}}
