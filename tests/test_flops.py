@@ -58,6 +58,15 @@ CASES = {
         "language_modeling",
         {**ONE_LAYER, "model.positional": "rope", "model.tie_output": False, "model.num_heads": 4},
     ),
+    "prefix_lm, relative, no memory (distances of both signs)": (
+        "language_modeling",
+        {
+            **ONE_LAYER,
+            "model.decoder_mask": "prefix_lm",
+            "model.prefix_length": 3,
+            "model.mem_len": 0,
+        },
+    ),
     "xl, adaptive, div_val 2": ("language_modeling", ADAPTIVE),
     "xl, adaptive, div_val 1, d_embed 32": (
         "language_modeling",

@@ -141,11 +141,14 @@ def no_carry(rng: np.random.Generator) -> dict:
 
 
 def random_memory(cfg, rng: np.random.Generator) -> dict:
-    """A memory that already differs row by row, partly filled."""
-    shape = (cfg.num_layers, ROWS, MEM_LEN, cfg.d_model)
+    """A memory of cfg.mem_len states that already differs row by row, partly filled ({}, as
+    the train loop's, without one)."""
+    if not cfg.mem_len:
+        return {}
+    shape = (cfg.num_layers, ROWS, cfg.mem_len, cfg.d_model)
     return {
         "states": rng.normal(size=shape),
-        "filled": rng.integers(0, MEM_LEN + 1, ROWS).astype(np.int32),
+        "filled": rng.integers(0, cfg.mem_len + 1, ROWS).astype(np.int32),
     }
 
 

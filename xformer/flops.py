@@ -17,6 +17,7 @@ from typing import Any
 
 import ml_collections
 
+from xformer import masks
 from xformer.adaptive import capacity_rows
 from xformer.model_config import LMConfig, StackConfig, TransformerConfig
 
@@ -86,7 +87,8 @@ def train_step_flops(cfg: StackConfig, rows: int, length: int) -> StepFlops:
         output = _Macs(weights=pos * d * cfg.tgt_vocab_size)
         macs = encoder * cfg.num_encoder_layers + decoder * cfg.num_decoder_layers + output
     elif isinstance(cfg, LMConfig):
-        layer = _self_attention(cfg, rows, length, length + cfg.mem_len) + _ffn(cfg, pos)
+        causal = not masks.MASK_SCHEMES[cfg.decoder_mask].sees_later_keys  # (prefix_lm: not)
+        layer = _self_attention(cfg, rows, length, length + cfg.mem_len, causal) + _ffn(cfg, pos)
         macs = layer * cfg.num_layers + _Macs(weights=_adaptive_macs(cfg, pos))
     else:
         raise TypeError(f"no FLOP count for {type(cfg).__name__}")
@@ -122,7 +124,7 @@ def _self_attention(
     """One self-attention layer: q and output projections over the queries, k and v over the
     keys (memory included); with relative positions also the sinusoid of every distance through
     W_kR and (q + v) . R for every (query, distance): keys distances in a causal stack, keys +
-    queries - 1 (both signs) in an encoder."""
+    queries - 1 (both signs) in an encoder or where queries see later keys (prefix_lm)."""
     d = cfg.d_model
     weights = rows * queries * 2 * d * d + rows * keys * 2 * d * d
     attention = rows * queries * keys * 2 * d
