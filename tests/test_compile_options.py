@@ -75,6 +75,11 @@ def test_xla_flags_overrule_the_default(monkeypatch, program):
     recording = RecordingLowered(program[0])
     train_lib.compile_step(recording, "gpu")
     assert recording.options == [None]
+    # Only the flag of that name: one whose name starts with it leaves the default (it did).
+    _user_flags(monkeypatch, "--xla_gpu_enable_triton_gemm_any=false")
+    recording = RecordingLowered(program[0])
+    train_lib.compile_step(recording, "gpu")
+    assert recording.options == [{"xla_gpu_enable_triton_gemm": False}]
 
 
 def test_an_option_unknown_to_xla_is_dropped(monkeypatch, program):

@@ -61,9 +61,9 @@ def compile_step(lowered: jax.stages.Lowered, platform: str) -> jax.stages.Compi
     """`lowered.compile()` with the STEP_COMPILER_OPTIONS of `platform` (a device's platform,
     e.g. "gpu"), less those that XLA_FLAGS names (the user's choice wins) and those that the
     installed XLA does not know (logged, then compiled with XLA's defaults)."""
-    user_flags = os.environ.get("XLA_FLAGS", "")
+    named = {flag.split("=", 1)[0].lstrip("-") for flag in os.environ.get("XLA_FLAGS", "").split()}
     options = STEP_COMPILER_OPTIONS.get(platform, {})
-    options = {name: value for name, value in options.items() if name not in user_flags}
+    options = {name: value for name, value in options.items() if name not in named}
     if options:
         try:
             compiled = lowered.compile(compiler_options=options)
