@@ -322,7 +322,7 @@ def run_setting(spec: dict) -> dict:
     """Build, compile, warm up and time one (model, dtype, attention_impl) setting."""
     import jax
 
-    from xformer import train_lib
+    from xformer import attention, train_lib
 
     result = {k: spec[k] for k in ("model", "dtype", "attention_impl")}
     device = jax.devices()[0]
@@ -334,6 +334,7 @@ def run_setting(spec: dict) -> dict:
     )
     handler = _Collect()
     logging.getLogger().addHandler(handler)
+    attention._LOGGED.clear()  # each setting logs its own fallbacks (--quick: one process)
     try:
         with tempfile.TemporaryDirectory() as workdir:
             result.update(_measure(spec, workdir, jax, train_lib))
