@@ -20,9 +20,13 @@ format, once; lengths independent of training):
                                                                # count as <unk> (oov_tokens)
 
 --average_last=N evaluates the mean parameters of the last N checkpoints kept (ending at --step;
-average.py writes them as a workdir of their own); its results go to eval_<name>.avgN.json.
+average.py writes them as a workdir of their own).
 
-Results are printed as JSON and written to <workdir>/eval_<name>.json. An --input, --reference
+Results are printed as JSON and written to <workdir>/eval_<name>.json (<name>: the split, or
+input.<file name>) when they are the run's own: its latest checkpoint, evaluated with its
+settings. Others add what differs, so that none overwrites it: eval_<name>.step4.json (--step
+before the latest), .avg3 (--average_last=3), .mem_len=640,clamp_len=400 (the settings whose
+flags changed them; translation hypotheses are named alike). An --input, --reference
 or --output that cannot be used (missing, invalid UTF-8, different line counts, symbols a
 character model has no <unk> for) is reported in one line on stderr, naming the file, line and
 column, with exit status 2, before any model is restored.
@@ -48,8 +52,10 @@ plot to <out>/compare.png; <out> is --compare_out, by default the workdirs' comm
 """
 
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -159,18 +165,45 @@ def main(argv):
         for key, flag in TRANSLATION_FLAGS.items():
             if flag.value is not None:
                 raise app.UsageError(f"--{key} is for translation; {workdir} is {family}")
+    own = evaluation_settings(config)
     with input_errors(ValueError):  # the flags' settings, checked before any data is read
         config_lib.set_eval_flags(config, {k: f.value for k, f in OVERRIDES[family].items()})
         config_lib.validate(config)
+    tag = settings_tag(own, evaluation_settings(config))
     with input_errors(DataError):  # missing or bad data files, anywhere in the evaluation
         if family == "decoder_only":
-            result = evaluate_language_model(config, workdir)
+            result, suffix = evaluate_language_model(config, workdir, tag)
         else:
-            result = evaluate_translation(config, workdir)
+            result, suffix = evaluate_translation(config, workdir, tag)
     if jax.process_index() == 0:
-        suffix = f".avg{_AVERAGE_LAST.value}" if _AVERAGE_LAST.value else ""
         write_json(os.path.join(workdir, f"eval_{result['name']}{suffix}.json"), result)
         print(json.dumps(result, indent=2))
+
+
+def evaluation_settings(config) -> dict:
+    """The evaluation settings that decide a result's values (not how it is batched, except a
+    language model's rows, which split its stream)."""
+    if config.model.family == "decoder_only":
+        return dataclasses.asdict(EvalSettings.from_config(config))
+    return {k: config.eval[k] for k in ("beam_size", "length_penalty")}
+
+
+def settings_tag(own: dict, given: dict) -> str:
+    """ ".key=value,..." of the `given` settings that differ from the workdir's `own` ("" when
+    none), for the names of the files of a result."""
+    changed = ",".join(f"{k}={v}" for k, v in given.items() if own[k] != v)
+    return "." + re.sub(r"[^A-Za-z0-9._=,+-]", "_", changed) if changed else ""
+
+
+def result_suffix(task, step: int, averaged: dict, tag: str, name_step: bool = False) -> str:
+    """What a result's file names add to its split or input name: ".step<N>" for a checkpoint
+    before the latest (always with `name_step`), ".avg<K>" for an average of K checkpoints,
+    and the settings `tag`. The run's own result (the latest checkpoint, its own settings) has
+    none: eval_<name>.json, which --compare and sweeps read, is never overwritten by another
+    evaluation."""
+    older = f".step{step}" if name_step or step != checkpoint_step(task.exp) else ""
+    mean = f".avg{len(averaged['averaged_steps'])}" if averaged else ""
+    return older + mean + tag
 
 
 def compare(extra_workdirs: list[str]) -> None:
@@ -224,7 +257,8 @@ def input_name(path: str) -> str:
     return f"input.{os.path.basename(path)}"
 
 
-def evaluate_language_model(config, workdir: str) -> dict:
+def evaluate_language_model(config, workdir: str, tag: str) -> tuple[dict, str]:
+    """(the result of scoring a split or --input, its result_suffix)."""
     split = _SPLIT.value or config.data.test_split
     task = make_task(config, workdir, train_if_missing=False, training=False)
     steps = _checkpoint_steps(task)
@@ -251,7 +285,7 @@ def evaluate_language_model(config, workdir: str) -> dict:
     result = task.score_stream(params, rng_state, stream, settings, log_every_s=LOG_EVERY_S)
     logging.info("%s at step %d: %s", name, step, task.summary(result))
     extra = {} if oov is None else {"input": _INPUT.value, "oov_tokens": oov}
-    return {
+    result = {
         "name": name,
         "step": step,
         "dataset": config.data.dataset,
@@ -261,6 +295,7 @@ def evaluate_language_model(config, workdir: str) -> dict:
         **extra,
         **{f"eval_{k}": v for k, v in vars(settings).items()},
     }
+    return result, result_suffix(task, step, averaged, tag)
 
 
 def read_translation_input() -> tuple[list[str], list[str] | None]:
@@ -287,7 +322,8 @@ def write_lines(path: str, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def evaluate_translation(config, workdir: str) -> dict:
+def evaluate_translation(config, workdir: str, tag: str) -> tuple[dict, str]:
+    """(the result of translating a split or --input, its result_suffix)."""
     # Read every input before compiling anything, so bad files fail fast.
     if _REFERENCE.value and not _INPUT.value:
         raise app.UsageError("--reference needs --input")
@@ -321,9 +357,9 @@ def evaluate_translation(config, workdir: str) -> dict:
             config.eval.max_decode_extra,
         )
 
-    suffix = f".avg{len(averaged['averaged_steps'])}" if averaged else ""
+    hypotheses = name + result_suffix(task, step, averaged, tag, name_step=True)
     output = _OUTPUT.value or os.path.join(
-        workdir, "translations", f"{name}.step{step}{suffix}.{config.data.target_lang}"
+        workdir, "translations", f"{hypotheses}.{config.data.target_lang}"
     )
     if jax.process_index() == 0:
         write_lines(output, hyps)
@@ -346,7 +382,7 @@ def evaluate_translation(config, workdir: str) -> dict:
     }
     if references is not None and hyps:
         result.update(bleu_report(hyps, references, config.data.target_lang).as_dict())
-    return result
+    return result, result_suffix(task, step, averaged, tag)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,7 @@ XL_EVAL = {  # name -> eval.py flags; all at the training segment length
 
 
 def evaluate(workdir: str, split: str, flags: list[str], tag: str) -> dict:
-    """eval.py's printed JSON, kept as eval_<split>_<tag>.json (eval.py's own file,
-    eval_<split>.json, is the same for every tag)."""
+    """eval.py's printed JSON, also kept as eval_<split>_<tag>.json, with its log beside it."""
     cmd = ["python", "eval.py", f"--workdir={workdir}", f"--split={split}", *flags]
     out = os.path.join(ROOT, workdir, f"eval_{split}_{tag}")
     return launch.run_json(cmd, cwd=ROOT, log=out + ".log", save=out + ".json")

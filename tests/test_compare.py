@@ -289,8 +289,9 @@ def test_a_nan_validation_value_is_never_the_best(tmp_path):
 
 
 def test_test_results_of_different_evaluation_settings_are_flagged(tmp_path):
-    """Runs whose eval_test.json used other evaluation lengths (eval.py --mem_len=...) get a
-    note naming the keys that differ; the same settings get none."""
+    """Runs whose eval_test.json used other evaluation lengths (their configs' eval.mem_len, or
+    an eval.py of before 2026-11-29 given --mem_len) get a note naming the keys that differ; the
+    same settings get none."""
     rng = np.random.default_rng()
 
     def run(name, mem_len):
@@ -304,7 +305,8 @@ def test_test_results_of_different_evaluation_settings_are_flagged(tmp_path):
     mixed = compare.compare([run("c", 64), run("d", 640)])
     assert mixed.notes == [
         "The test results were evaluated with different settings (c: eval_mem_len=64; d: "
-        "eval_mem_len=640): rerun eval.py with the same flags to compare them."
+        "eval_mem_len=640): set them in the runs' configs (eval.*), or compare the results of "
+        "eval.py given the same flags."
     ]
 
 

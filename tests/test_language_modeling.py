@@ -216,7 +216,11 @@ def test_eval_py_scores_every_token(tmp_path, tfds_dir, ptb):
         ]
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((tmp_path / "run" / "eval_test.json").read_text())
+    # Not the run's own result (eval_test.json, read by --compare and sweeps): named by the
+    # settings that differ from the workdir's.
+    tag = "batch_size=5,segment_length=32,mem_len=64,clamp_len=40,decoder_mask=same_length"
+    report = json.loads((tmp_path / "run" / f"eval_test.{tag}.json").read_text())
+    assert not (tmp_path / "run" / "eval_test.json").exists()
     assert report["tokens"] == PTB_TEST_TOKENS
     assert report["step"] == 6 and report["eval_mem_len"] == 64
     assert report["eval_decoder_mask"] == "same_length"
@@ -233,6 +237,12 @@ def test_eval_py_scores_every_token(tmp_path, tfds_dir, ptb):
     words = [w for line in lines for w in line.split()]
     vocab = set((tmp_path / "run" / "vocab" / "ptb.vocab").read_text().split("\n"))
     assert report["oov_tokens"] == sum(w not in vocab for w in words) == 4  # newline too
+    # An earlier checkpoint's result is named by its step: the latest one's stays.
+    result = run(["eval.py", f"--workdir={tmp_path / 'run'}", f"--input={text}", "--step=3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    earlier = json.loads((tmp_path / "run" / "eval_input.in.txt.step3.json").read_text())
+    assert earlier["step"] == 3 and earlier["nll"] != report["nll"]
+    assert json.loads((tmp_path / "run" / "eval_input.in.txt.json").read_text()) == report
     assert report["tokens"] == len(words) + len(lines)
 
     bad = run(["eval.py", f"--workdir={tmp_path / 'run'}", "--beam_size=2"])

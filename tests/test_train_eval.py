@@ -157,7 +157,11 @@ def test_eval_py_translates_every_line_it_is_given(tmp_path, tfds_dir, multi30k_
     # eval.py on a whole split reports both BLEU conventions for every sentence.
     result = run(["eval.py", f"--workdir={workdir}", "--split=test_2017_mscoco", "--beam_size=1"])
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((workdir / "eval_test_2017_mscoco.json").read_text())
+    report = json.loads((workdir / "eval_test_2017_mscoco.beam_size=1.json").read_text())
+    assert report["output"].endswith(
+        f"/translations/test_2017_mscoco.step{report['step']}.beam_size=1.de"
+    )
+    assert not (workdir / "eval_test_2017_mscoco.json").exists()  # the run's own (beam 2)
     assert report["sentences"] == 461
     assert {"sacrebleu", "lc_tok_bleu", "signature"} <= set(report)
     assert len(Path(report["output"]).read_text(encoding="utf-8").splitlines()) == 461

@@ -426,8 +426,8 @@ def settings_notes(tests: dict[str, dict]) -> list[str]:
         f"{name}: " + ", ".join(f"{k}={s.get(k)}" for k in keys) for name, s in settings.items()
     )
     return [
-        f"The test results were evaluated with different settings ({values}): rerun eval.py "
-        "with the same flags to compare them."
+        f"The test results were evaluated with different settings ({values}): set them in "
+        "the runs' configs (eval.*), or compare the results of eval.py given the same flags."
     ]
 
 
