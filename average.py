@@ -49,7 +49,9 @@ def main(argv):
         config = experiment_lib.load_config(source)  # written to the output as it is
         run_config = copy.deepcopy(config)
         experiment_lib.set_evaluation_mesh(run_config, _MESH.value, jax.device_count())
-        task = make_task(run_config, source, train_if_missing=False, training=False)
+        task = make_task(
+            run_config, source, train_if_missing=False, training=False, evaluating=False
+        )
         steps = steps_to_average(task.exp, _LAST.value, _STEP.value)
         check_writable(output, "--output")
     except (ValueError, OSError, DataError) as e:

@@ -131,12 +131,27 @@ OVERRIDES = {
         "sliding_stride": _STRIDE,
     },
 }
+EVALUATION_FLAGS = {  # every flag of an evaluation (none of --compare)
+    "split": _SPLIT,
+    "step": _STEP,
+    "average_last": _AVERAGE_LAST,
+    "mesh": _MESH,
+    "input": _INPUT,
+    **TRANSLATION_FLAGS,
+    **{name: flag for by_name in OVERRIDES.values() for name, flag in by_name.items()},
+}
 
 
 def main(argv):
     if _COMPARE.value is not None:
         if _WORKDIR.value is not None:
             raise app.UsageError("give --workdir (evaluate) or --compare, not both")
+        given = [name for name, flag in EVALUATION_FLAGS.items() if flag.value is not None]
+        if given:  # --compare reads the results the runs hold: it evaluates nothing
+            raise app.UsageError(
+                f"--compare evaluates nothing: {', '.join('--' + n for n in given)} would be "
+                "ignored (evaluate each workdir with them first)"
+            )
         return compare(argv[1:])
     if _COMPARE_OUT.value is not None:
         raise app.UsageError("--compare_out needs --compare")
@@ -169,6 +184,11 @@ def main(argv):
     with input_errors(ValueError):  # the flags' settings, checked before any data is read
         config_lib.set_eval_flags(config, {k: f.value for k, f in OVERRIDES[family].items()})
         config_lib.validate(config)
+        try:
+            devices, processes = jax.device_count(), jax.process_count()
+            config_lib.check_devices(config, devices, processes, training=False)
+        except ValueError as e:
+            raise ValueError(f"{e} (--batch_size or --mesh sets another)") from None
     tag = settings_tag(own, evaluation_settings(config))
     with input_errors(DataError):  # missing or bad data files, anywhere in the evaluation
         if family == "decoder_only":

@@ -99,7 +99,7 @@ def main(argv):
             check_output_file(_OUTPUT.value, "--output")
         prompt = read_prompt()
         config = load_config(workdir)
-        task = make_task(config, workdir, train_if_missing=False, training=False)
+        task = make_task(config, workdir, train_if_missing=False, training=False, evaluating=False)
         step = checkpoint_step(task.exp, _STEP.value)
         settings = EvalSettings.from_config(config)
         if _SEGMENT.value is not None and not settings.mem_len:

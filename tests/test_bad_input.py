@@ -98,8 +98,23 @@ def test_eval_flags_that_cannot_be_used_are_one_line(tmp_path):
             1,
             "sample.py: --segment_length must be >= 1, got 0 (leave it out to use the",
         ),
+        (
+            ["eval.py", f"--compare={tmp_path}", "--split=valid", "--average_last=2"],
+            1,
+            "eval.py: --compare evaluates nothing: --split, --average_last would be ignored",
+        ),
+        (  # (an evaluation of 64 rows over 3 devices, checked before any data is read)
+            ["eval.py", f"--workdir={tmp_path}", "--batch_size=64", "--xla_devices=3"],
+            2,
+            "eval.py: error: eval.batch_size=64 must be divisible by the 3 row shards of the "
+            "mesh (mesh.data x mesh.fsdp = 3 x 1) (--batch_size or --mesh sets another)",
+        ),
     ]:
-        result = run(args)
+        # --xla_devices=N is the test's, not the script's: N simulated devices (XLA_FLAGS).
+        devices = [a for a in args if a.startswith("--xla_devices=")]
+        args = [a for a in args if a not in devices]
+        xla = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count="
+        result = run(args, {"XLA_FLAGS": xla + devices[0].split("=")[1]} if devices else None)
         assert result.returncode == status and message in result.stderr, args
         printed = [
             line for line in result.stderr.splitlines() if not re.match(r"[IWE]\d{4} ", line)
@@ -210,6 +225,8 @@ def test_evaluation_mesh_fits_the_devices_it_runs_on():
     assert sizes(chosen) == (1, -1, 2)
     with pytest.raises(ValueError, match="eval.batch_size=12 must be divisible by the 8 row"):
         config_lib.check_devices(trained(2, 4, 1), 8, training=False)
+    # sample.py and average.py read no evaluation batches: theirs is not checked.
+    config_lib.check_devices(trained(2, 4, 1), 8, training=False, evaluating=False)
     for flag, message in (
         ("2,2", "give three integer sizes"),
         ("a,1,1", "give three integer sizes"),

@@ -458,18 +458,20 @@ def check_devices(
     num_processes: int = 1,
     *,
     training: bool = True,
+    evaluating: bool = True,
 ) -> None:
     """Raise ValueError naming the keys when the mesh (mesh.data, mesh.fsdp, mesh.tensor) does
     not fit `num_devices`, the batches do not divide over its data x fsdp row shards
-    (eval.batch_size; for `training` also train.batch_size and each micro-batch of it,
-    train.grad_accum_steps), or, for `training`, the training rows and input shards
+    (for `evaluating` eval.batch_size; for `training` train.batch_size and each micro-batch of
+    it, train.grad_accum_steps), or, for `training`, the training rows and input shards
     (data.input_shards) do not divide over the processes."""
     data, fsdp, _ = sharding.mesh_shape(config.mesh, num_devices)
     shards = data * fsdp
     where = f"the {shards} row shards of the mesh (mesh.data x mesh.fsdp = {data} x {fsdp})"
     t = config.train
     batches = {"train.batch_size": t.batch_size} if training else {}
-    batches["eval.batch_size"] = config.eval.batch_size
+    if evaluating:
+        batches["eval.batch_size"] = config.eval.batch_size
     for key, rows in batches.items():
         if rows % shards:
             raise ValueError(f"{key}={rows} must be divisible by {where}")

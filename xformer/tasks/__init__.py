@@ -20,12 +20,20 @@ def make_task(
     *,
     train_if_missing: bool = True,
     training: bool = True,
+    evaluating: bool = True,
 ):
-    """Validate the config (and its batch sizes against the devices: the training batches too
-    unless `training` is False, as for eval.py, sample.py and average.py), then build the task
-    of its model family."""
+    """Validate the config (and its batch sizes against the devices: the training batches
+    unless `training` is False, as for eval.py, sample.py and average.py; the evaluation
+    batches unless `evaluating` is False, as for sample.py and average.py), then build the
+    task of its model family."""
     config_lib.validate(config)
-    config_lib.check_devices(config, jax.device_count(), jax.process_count(), training=training)
+    config_lib.check_devices(
+        config,
+        jax.device_count(),
+        jax.process_count(),
+        training=training,
+        evaluating=evaluating,
+    )
     if config.model.family == "decoder_only":
         from xformer.tasks.language_modeling import LanguageModelingTask
 
