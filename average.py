@@ -6,11 +6,12 @@
 A run keeps its last train.keep_checkpoints checkpoints (2 by default): to average 5, train with
 --config.train.keep_checkpoints=5 (and a train.checkpoint_every that spaces them as wanted).
 
-The output workdir holds the source's config.json and vocabulary and one checkpoint, at the
-newest averaged step, with the mean parameters (xformer/averaging.py) and no optimizer state:
-eval.py and sample.py use it like any workdir; train.py refuses to train in it (continue
-training in the source workdir). `eval.py --workdir=<source> --average_last=2` evaluates the
-same parameters without writing them.
+The output workdir holds the source's config.json, vocabulary and run_info.json (its commits
+and parameter count, for eval.py --compare) and one checkpoint, at the newest averaged step,
+with the mean parameters (xformer/averaging.py) and no optimizer state: eval.py and sample.py
+use it like any workdir; train.py refuses to train in it (continue training in the source
+workdir). `eval.py --workdir=<source> --average_last=2` evaluates the same parameters without
+writing them.
 """
 
 import copy
@@ -29,6 +30,7 @@ from xformer.checkpoint import Checkpointer, CheckpointShapeError
 from xformer.data.errors import DataError
 from xformer.files import check_writable, write_json
 from xformer.tasks import make_task
+from xformer.train_lib import RUN_INFO_FILE
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir with checkpoints.")
 _LAST = flags.DEFINE_integer("last", None, "Average the last N checkpoints kept.")
@@ -64,6 +66,8 @@ def main(argv):
     experiment_lib.save_config(config, output)
     if not config.data.vocab_dir and os.path.isdir(os.path.join(source, "vocab")):
         shutil.copytree(os.path.join(source, "vocab"), os.path.join(output, "vocab"))
+    if os.path.exists(os.path.join(source, RUN_INFO_FILE)):  # the commits and size of the run
+        shutil.copy2(os.path.join(source, RUN_INFO_FILE), output)
     step_dtype = task.exp.abstract_state()["step"].dtype
     state = {"step": jnp.asarray(steps[-1], step_dtype), "params": params}
     info = {"source": os.path.abspath(source), "averaged_steps": steps}

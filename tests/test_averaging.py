@@ -101,6 +101,8 @@ def test_eval_average_last_and_the_averaged_workdir(tmp_path, tfds_dir):
     assert from_workdir == three and result["step"] == 6
     averaged_params = flat(read_state(str(averaged), 6)["params"])
     assert set(read_state(str(averaged), 6)) == {"step", "params"}  # no optimizer state
+    info = json.loads((workdir / "run_info.json").read_text())  # --compare's size and commits
+    assert json.loads((averaged / "run_info.json").read_text()) == info and info["num_params"] > 0
     states = [flat(read_state(str(workdir), s)["params"]) for s in (2, 4, 6)]
     for name, value in averaged_params.items():
         np.testing.assert_allclose(value, np.mean([s[name] for s in states], axis=0), rtol=1e-6)
