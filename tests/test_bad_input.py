@@ -123,6 +123,20 @@ def test_eval_flags_that_cannot_be_used_are_one_line(tmp_path):
     assert not (tmp_path / "vocab").exists() and not missing.exists()
 
 
+@pytest.mark.parametrize(
+    "flag,value,least",
+    [("segment_length", 0, 1), ("mem_len", -5, 0), ("clamp_len", -1, 0), ("sliding_stride", -1, 0)],
+)
+def test_eval_flags_below_their_minimum_are_refused(flag, value, least):
+    """eval.py's and sample.py's lengths: one message naming the flag and its minimum (a
+    negative --sliding_stride was refused as needing mem_len=0)."""
+    config = config_lib.lm_base_config("ptb")
+    with pytest.raises(ValueError, match=rf"^--{flag} must be >= {least}, got {value} \(leave"):
+        config_lib.set_eval_flags(config, {flag: value})
+    config_lib.set_eval_flags(config, {flag: least, "batch_size": None})  # None: left out
+    assert config.eval[flag] == least
+
+
 def test_unknown_config_key_in_config_file():
     config = config_lib.base_config()
     config.model.num_head = 8

@@ -194,7 +194,7 @@ def with_variant(
 
 # The least value of an evaluation length given as a flag of eval.py or sample.py: below it
 # are the config's "as trained" values (segment_length 0, mem_len and clamp_len -1).
-EVAL_FLAG_MINIMUMS = {"segment_length": 1, "mem_len": 0, "clamp_len": 0}
+EVAL_FLAG_MINIMUMS = {"segment_length": 1, "mem_len": 0, "clamp_len": 0, "sliding_stride": 0}
 
 
 def set_eval_flags(config: ml_collections.ConfigDict, values: Mapping[str, Any]) -> None:
