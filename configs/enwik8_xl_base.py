@@ -31,7 +31,4 @@ def get_config():
     c.train.warmup_steps = 0
     c.train.eval_every = 4000
     c.train.checkpoint_every = 4000
-
-    c.eval.segment_length = 512
-    c.eval.mem_len = 512
     return c

@@ -33,7 +33,4 @@ def get_config():
     c.train.learning_rate = 1e-3
     c.train.warmup_steps = 200
     c.train.eval_every = 500
-
-    c.eval.segment_length = 150
-    c.eval.mem_len = 150
     return c

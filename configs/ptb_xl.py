@@ -23,7 +23,6 @@ VARIANTS = {
     "vanilla": {
         "model.positional": "sinusoidal",
         "model.mem_len": 0,
-        "eval.mem_len": 0,
         "train.num_steps": 6600,
     },
     **{name: {"model.positional": name} for name in ("rope", "t5_bias", "alibi", "none")},
@@ -55,7 +54,4 @@ def get_config(variant: str = ""):
     c.train.max_train_seconds = 0.0  # no time limit (set one as a guard)
     c.train.learning_rate = 1.5e-3
     c.train.warmup_steps = 400
-
-    c.eval.segment_length = 70
-    c.eval.mem_len = 70
     return with_variant(c, variant, VARIANTS)

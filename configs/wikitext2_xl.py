@@ -37,7 +37,4 @@ def get_config():
     c.train.max_train_seconds = 0.0  # no time limit (set one as a guard)
     c.train.learning_rate = 1e-3
     c.train.warmup_steps = 400
-
-    c.eval.segment_length = 75
-    c.eval.mem_len = 75
     return c

@@ -38,7 +38,4 @@ def get_config():
     c.train.warmup_steps = 0
     c.train.eval_every = 4000
     c.train.checkpoint_every = 4000
-
-    c.eval.segment_length = 150
-    c.eval.mem_len = 150
     return c

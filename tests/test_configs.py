@@ -34,6 +34,28 @@ def test_config_validates_and_documents_its_command(path):
     assert f"python train.py --config=configs/{path.name}" in module.__doc__
 
 
+LM_CONFIGS = [p for p in CONFIGS if load(p).get_config().model.family == "decoder_only"]
+
+
+@pytest.mark.parametrize("path", LM_CONFIGS, ids=lambda p: p.stem)
+def test_evaluation_lengths_follow_the_training_lengths(path):
+    """A language model validates (and eval.py scores) at its training lengths unless eval.*
+    says otherwise: overriding model.mem_len or data.segment_length moves both (the configs
+    wrote the lengths into eval.* too, which kept the old ones)."""
+    from xformer.tasks.language_modeling import EvalSettings
+
+    config = load(path).get_config()
+    trained = EvalSettings.from_config(config)
+    assert (trained.segment_length, trained.mem_len) == (
+        config.data.segment_length,
+        config.model.mem_len,
+    )
+    length, memory = config.data.segment_length + 7, config.model.mem_len + 9
+    config = config_lib.override(config, {"data.segment_length": length, "model.mem_len": memory})
+    moved = EvalSettings.from_config(config)
+    assert (moved.segment_length, moved.mem_len) == (length, memory)
+
+
 VARIANTS = [(p, v) for p in CONFIGS for v in getattr(load(p), "VARIANTS", {})]
 
 
