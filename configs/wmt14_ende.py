@@ -8,6 +8,13 @@ and tens of GB of disk). Paper settings: d_model 512, 8 heads, 6+6 layers, d_ff 
 0.1, label smoothing 0.1, Adam(0.9, 0.98, 1e-9) with 4000 warm-up steps and the rsqrt schedule,
 ~25k source + 25k target tokens per step (96 packed rows of 256), 100k steps, beam 4, alpha 0.6.
 The paper reports 27.3 BLEU on newstest2014 for this model.
+
+Where it differs from the paper: a 32,000-piece SentencePiece (unigram) vocabulary shared by
+both languages, not 37k BPE merges (60.5M parameters, not ~65M); train.learning_rate is the
+schedule's peak, d_model^-0.5 x warmup^-0.5 written out for 512 and 4000, so a run that
+changes model.d_model or train.warmup_steps keeps that peak unless it sets learning_rate too;
+checkpoints every 5,000 steps, so `eval.py --average_last=5` averages steps 80k-100k where the
+paper averaged 5 checkpoints 10 minutes apart (set train.checkpoint_every for that).
 """
 
 from xformer.config import base_config
