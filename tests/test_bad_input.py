@@ -169,6 +169,7 @@ def test_d_model_not_divisible_by_heads(tmp_path):
     [
         ("model.positional", "rotary", r"allowed values: \('none', 'sinusoidal', 'learned'"),
         ("model.dropout", 1.5, "model.dropout must be in"),
+        ("model.init_std", -0.02, r"model.init_std must be >= 0 \(0 = LeCun normal\)"),
         ("data.vocab", "separate", "share_embeddings=True needs data.vocab='joint'"),
         ("model.d_model", "big", "must be int"),
         ("model.num_heads", 0, "model.num_heads must be positive, got 0"),

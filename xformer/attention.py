@@ -6,7 +6,7 @@ import contextlib
 import math
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +222,7 @@ class MultiHeadAttention(nnx.Module):
         use_bias: bool = True,
         implementation: str = "xla",
         split_heads: bool = False,
+        kernel_init: Callable = nnx.nn.linear.default_kernel_init,
         dtype: jnp.dtype | None = None,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -230,7 +231,13 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.num_heads, self.head_dim, self.kind = num_heads, d_model // num_heads, kind
         self.implementation = implementation
-        linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        linear = dict(
+            use_bias=use_bias,
+            kernel_init=kernel_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
         heads = dict(axes=("embed", "heads"), **linear)
         if kind == "self":
             self.qkv_proj = Projections(d_model, 3, d_model, split_heads=split_heads, **heads)

@@ -38,13 +38,21 @@ def attention(cfg, kind: str, *, use_bias: bool = True, rngs: nnx.Rngs) -> Multi
         use_bias=use_bias,
         implementation=cfg.attention_impl,
         split_heads=cfg.split_heads,
+        kernel_init=cfg.kernel_init,
         **cfg.dtypes,
         rngs=rngs,
     )
 
 
 def feed_forward(cfg, *, rngs: nnx.Rngs) -> "FeedForward":
-    return FeedForward(cfg.d_model, cfg.d_ff, dropout=cfg.relu_dropout, **cfg.dtypes, rngs=rngs)
+    return FeedForward(
+        cfg.d_model,
+        cfg.d_ff,
+        dropout=cfg.relu_dropout,
+        kernel_init=cfg.kernel_init,
+        **cfg.dtypes,
+        rngs=rngs,
+    )
 
 
 def residuals(cfg, n: int, *, rngs: nnx.Rngs) -> tuple["Residual", ...]:
@@ -58,9 +66,10 @@ def residuals(cfg, n: int, *, rngs: nnx.Rngs) -> tuple["Residual", ...]:
 class FeedForward(nnx.Module):
     """Linear(d, d_ff) -> ReLU -> dropout -> Linear(d_ff, d)."""
 
-    def __init__(self, d_model: int, d_ff: int, *, dropout: float, rngs: nnx.Rngs, **dtypes):
-        self.up = Linear(d_model, d_ff, axes=("embed", "mlp"), **dtypes, rngs=rngs)
-        self.down = Linear(d_ff, d_model, axes=("mlp", "embed"), **dtypes, rngs=rngs)
+    def __init__(self, d_model: int, d_ff: int, *, dropout: float, rngs: nnx.Rngs, **dense):
+        """dense: Linear's keyword arguments (dtype, param_dtype, kernel_init)."""
+        self.up = Linear(d_model, d_ff, axes=("embed", "mlp"), **dense, rngs=rngs)
+        self.down = Linear(d_ff, d_model, axes=("mlp", "embed"), **dense, rngs=rngs)
         self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -546,6 +546,8 @@ def _validate_model(m: ml_collections.ConfigDict) -> model_config.StackConfig:
     for key in ("dropout", "attention_dropout", "relu_dropout"):
         if not 0.0 <= m[key] < 1.0:
             raise ValueError(f"model.{key} must be in [0, 1), got {m[key]}")
+    if not m.init_std >= 0:  # (NaN too)
+        raise ValueError(f"model.init_std must be >= 0 (0 = LeCun normal), got {m.init_std}")
     positional.check_config(cfg)
     chosen = {k: m[k] for k in ("encoder_mask", "decoder_mask") if k in own}
     sized: dict[str, list[str]] = {}  # model key -> the masking schemes it sizes

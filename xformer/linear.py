@@ -95,6 +95,7 @@ class Projections(nnx.Module):
         axes: tuple[str | None, str | None] = (None, None),
         split_heads: bool = False,
         use_bias: bool = True,
+        kernel_init: Callable = nnx.nn.linear.default_kernel_init,
         dtype: jnp.dtype | None = None,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -105,7 +106,7 @@ class Projections(nnx.Module):
 
             return draw
 
-        kernel = logical(flat(nnx.nn.linear.default_kernel_init), axes[0], None, axes[1])
+        kernel = logical(flat(kernel_init), axes[0], None, axes[1])
         self.kernel = nnx.Param(kernel(rngs.params(), (in_features, n, out_features), param_dtype))
         self.bias = nnx.data(None)
         if use_bias:

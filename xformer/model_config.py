@@ -11,10 +11,11 @@ what it means. `config.base_config()` builds the `model` section from these fiel
 
 import dataclasses
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
+from flax import nnx
 
 from xformer import attention, masks
 from xformer.positional import SCHEMES
@@ -51,6 +52,12 @@ class StackConfig:
         "post", "post: the paper; pre: LayerNorm inside the residual", ("post", "pre")
     )
     tie_output: bool = option(True, "output projection = (target) embedding transposed")
+    init_std: float = option(
+        0.0,
+        "dense kernels (attention, FFN, XL's W_kR, an untied output layer) drawn from "
+        "N(0, init_std), as Transformer-XL's reference does with 0.02; 0: LeCun normal, "
+        "Flax's default",
+    )
     dtype: str = option(
         "float32",
         "activations and matmuls (norm statistics, softmaxes and the loss stay >= float32; "
@@ -87,6 +94,13 @@ class StackConfig:
     def dtypes(self) -> dict[str, jnp.dtype]:
         """{"dtype", "param_dtype"}: the keyword arguments that set every layer's precision."""
         return {"dtype": jnp.dtype(self.dtype), "param_dtype": jnp.dtype(self.param_dtype)}
+
+    @property
+    def kernel_init(self) -> Callable:
+        """The initializer of every dense kernel (init_std)."""
+        if self.init_std:
+            return nnx.initializers.normal(self.init_std)
+        return nnx.nn.linear.default_kernel_init
 
     @property
     def pre_norm(self) -> bool:

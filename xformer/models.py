@@ -58,6 +58,7 @@ class EncoderDecoder(nnx.Module):
                 cfg.tgt_vocab_size,
                 axes=("embed", "vocab"),
                 use_bias=False,
+                kernel_init=cfg.kernel_init,
                 **cfg.dtypes,
                 rngs=rngs,
             )

@@ -94,7 +94,15 @@ class XLRelativePositions(PositionalScheme):
         self.clamp_len, self.dtype = cfg.clamp_len, jnp.dtype(cfg.dtype)
         self.r_proj = nnx.List(
             [
-                Linear(d, d, axes=("embed", "heads"), use_bias=False, **cfg.dtypes, rngs=rngs)
+                Linear(
+                    d,
+                    d,
+                    axes=("embed", "heads"),
+                    use_bias=False,
+                    kernel_init=cfg.kernel_init,
+                    **cfg.dtypes,
+                    rngs=rngs,
+                )
                 for _ in range(num_layers)
             ]
         )  # W_{k,R} per layer
