@@ -229,6 +229,12 @@ def test_top_k_top_p_draw_only_from_the_allowed_set(sampling, vocab):
         counts = np.bincount(tokens[:, row], minlength=logits.shape[1]) / draws
         sigma = np.sqrt(expected[row] * (1 - expected[row]) / draws)
         assert (np.abs(counts - expected[row]) <= 5 * sigma + 1e-3).all()
+    # 64 copies of a row in one batch draw independently (their own noise in both draws of
+    # the blocked path): all alike has probability max(p)^63 at most, < 1e-6 here.
+    if expected[0].max() < 0.8:
+        copies = jnp.asarray(np.broadcast_to(logits[:1], (64, vocab)))
+        drawn = np.asarray(sample_tokens(keys[0], copies, sampling))
+        assert len(set(drawn.tolist())) > 1, drawn
 
 
 def test_temperature_zero_is_argmax_and_low_temperature_sampling_matches_it():

@@ -77,6 +77,7 @@ def test_a_logged_validation_is_found_by_its_step_and_split(tmp_path):
     assert logged_validation(str(tmp_path), 4, "val[:8]") == {"nll": 2.5, "bleu": 7.0}
     assert logged_validation(str(tmp_path), 6, "val[:8]") is None
     assert logged_validation(str(tmp_path), 4, "val") is None
+    assert logged_validation(str(tmp_path), 6, "train") is None  # a training row is none
     assert logged_validation(str(tmp_path / "absent"), 4, "val[:8]") is None
 
 
