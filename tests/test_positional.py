@@ -319,3 +319,7 @@ def test_prefix_lm_sees_its_prefix_both_ways_and_nothing_after(name):
     assert abs(float(in_prefix[0, 0] - base[0, 0])) > 1e-5  # position 0 sees position 2
     later, _ = model(tokens.at[0, 5].set((tokens[0, 5] + 1) % 31), tokens)
     np.testing.assert_allclose(later[:, :5], base[:, :5], atol=1e-6)
+    # The first token after the prefix is seen by no prefix position (nor one prefix longer).
+    after, _ = model(tokens.at[0, 3].set((tokens[0, 3] + 1) % 31), tokens)
+    np.testing.assert_allclose(after[:, :3], base[:, :3], atol=1e-6)
+    assert abs(float(after[0, 3] - base[0, 3])) > 1e-5  # (it sees itself)
