@@ -334,7 +334,7 @@ def run_setting(spec: dict) -> dict:
     )
     handler = _Collect()
     logging.getLogger().addHandler(handler)
-    attention._LOGGED.clear()  # each setting logs its own fallbacks (--quick: one process)
+    attention.forget_logged_fallbacks()  # each setting's own (--quick: one process)
     try:
         with tempfile.TemporaryDirectory() as workdir:
             result.update(_measure(spec, workdir, jax, train_lib))

@@ -23,6 +23,12 @@ IMPLEMENTATIONS = ("xla", "fused", "fused_packed")  # model.attention_impl
 _LOGGED: set[str] = set()
 
 
+def forget_logged_fallbacks() -> None:
+    """Log each fallback reason again (a benchmark that runs several settings in one process
+    notes each setting's own)."""
+    _LOGGED.clear()
+
+
 def _log_once(message: str) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)

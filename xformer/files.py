@@ -27,11 +27,18 @@ def read_json_if_present(path: str) -> Any | None:
 
 
 def read_jsonl(path: str) -> list[Any]:
-    """One JSON value per non-empty line (e.g. metrics.jsonl); [] when the file is missing."""
+    """One JSON value per non-empty line (e.g. metrics.jsonl); [] when the file is missing. A
+    line that is not JSON (cut by a kill while it was written) is skipped."""
     if not os.path.exists(path):
         return []
+    values = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                values.append(json.loads(line))
+            except json.JSONDecodeError:  # (an empty line too)
+                continue
+    return values
 
 
 def check_writable(directory: str, what: str) -> None:

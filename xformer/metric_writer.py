@@ -5,7 +5,6 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -76,20 +75,6 @@ class MetricWriter:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
-
-
-def read_rows(workdir: str) -> Iterator[dict]:
-    """The rows of <workdir>/metrics.jsonl in order (none without the file; a line cut by a kill
-    is skipped)."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
 
 
 def _drop_rows_after(path: str, step: int) -> None:

@@ -21,7 +21,7 @@ from xformer import experiment as experiment_lib
 from xformer import flops as flops_lib
 from xformer.checkpoint import CheckpointShapeError
 from xformer.dispatch import DispatchWindow
-from xformer.files import read_json_if_present, write_json
+from xformer.files import read_json_if_present, read_jsonl, write_json
 from xformer.optim import learning_rate_schedule
 from xformer.precision import at_least_float32
 from xformer.preemption import StopOnSignal
@@ -426,10 +426,8 @@ def interval_losses(pending: list[dict]) -> dict[str, float]:
 def logged_validation(workdir: str, step: int, split: str) -> dict[str, float] | None:
     """{name: value} of the validation of `step` on `split` that metrics.jsonl holds (its last
     such row), or None."""
-    from xformer.metric_writer import read_rows  # (tensorboardX: see train_and_evaluate)
-
     found, prefix = None, f"{split}/"
-    for row in read_rows(workdir):
+    for row in read_jsonl(os.path.join(workdir, "metrics.jsonl")):
         if row.get("step") == step and "train/loss" not in row:  # (not a training row)
             values = {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
             found = values or found
