@@ -2,7 +2,8 @@
 each) against 1 process on 4 devices with the same global batch: the run stops on its time
 budget (decided once, by process 0's clock), checkpoints every process's own data position,
 resumes, and its losses, final parameters, validation and test scores equal the one-process
-run's; process 0 alone writes the results."""
+run's; process 0 alone writes the results. The language model trains with its parameters split
+over the two processes (mesh data 1 x fsdp 2 x tensor 2)."""
 
 import json
 import os
@@ -92,8 +93,15 @@ FAMILIES = {  # family -> (train command, its extra flags, validation key, eval.
         # A slice: two processes decode a step of beam search 5-10x slower than one on CPU.
         ["--split=test_2017_mscoco[:99]", "--beam_size=2"],
     ),
+    # Parameters and optimizer state split over both processes (fsdp pairs devices of the two
+    # processes, tensor pairs each process's own), checkpointed by both and restored.
     # A slice: the whole test split (82k tokens) is ~0.6k steps of 8 rows, ~20 s per side.
-    "language_modeling": (lm.train_cmd, [], f"{lm.EVAL_SPLIT}/nll", ["--split=test[:400]"]),
+    "language_modeling": (
+        lm.train_cmd,
+        ["--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"],
+        f"{lm.EVAL_SPLIT}/nll",
+        ["--split=test[:400]"],
+    ),
 }
 
 
