@@ -1,9 +1,10 @@
-"""train.py and eval.py as 2 processes on localhost (jax.distributed, 2 simulated CPU devices
-each) against 1 process on 4 devices with the same global batch: the run stops on its time
-budget (decided once, by process 0's clock), checkpoints every process's own data position,
+"""train.py and eval.py as several processes on localhost (jax.distributed, 4 simulated CPU
+devices in all) against 1 process on 4 devices with the same global batch: the run stops on its
+time budget (decided once, by process 0's clock), checkpoints every process's own data position,
 resumes, and its losses, final parameters, validation and test scores equal the one-process
-run's; process 0 alone writes the results. The language model trains with its parameters split
-over the two processes (mesh data 1 x fsdp 2 x tensor 2)."""
+run's; process 0 alone writes the results. Translation: 2 processes, data-parallel. The
+language model: 4 processes of one device on data 1 x fsdp 2 x tensor 2, each tensor pair
+spanning two processes that read the same rows, the parameters split over the pairs."""
 
 import json
 import os
@@ -21,6 +22,7 @@ import test_language_modeling as lm
 import test_train_eval as translation
 
 from xformer import config as config_lib
+from xformer import sharding
 from xformer.checkpoint import Checkpointer, read_state
 from xformer.config import flatten
 from xformer.data.pipeline import EncodedPairs, packed_train_dataset
@@ -34,7 +36,6 @@ X64 = {"JAX_ENABLE_X64": "1"}
 FLOAT64 = ["--config.model.dtype=float64", "--config.model.param_dtype=float64"]
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
 FOUR_DEVICES = {**translation.FOUR_DEVICES, **X64}
-TWO_DEVICES = {"XLA_FLAGS": translation.FOUR_DEVICES["XLA_FLAGS"].replace("=4", "=2"), **X64}
 
 
 def free_port() -> int:
@@ -43,11 +44,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(args: list[str], timeout: float = 600) -> list[tuple[str, str]]:
-    """Run `python *args` as processes 0 and 1 of one jax.distributed job; their (stdout,
-    stderr)."""
+def processes(args: list[str], count: int, timeout: float = 600) -> list[tuple[str, str]]:
+    """Run `python *args` as the `count` processes of one jax.distributed job, with 4 simulated
+    CPU devices in all; their (stdout, stderr)."""
     port = free_port()
-    env = {**os.environ, **TWO_DEVICES, "XFORMER_DATA_DIR": str(ROOT.parent / "shared" / "data")}
+    devices = translation.FOUR_DEVICES["XLA_FLAGS"].replace("=4", f"={4 // count}")
+    env = {
+        **os.environ,
+        **X64,
+        "XLA_FLAGS": devices,
+        "XFORMER_DATA_DIR": str(ROOT.parent / "shared" / "data"),
+    }
     procs = [
         subprocess.Popen(
             [
@@ -55,7 +62,7 @@ def two_processes(args: list[str], timeout: float = 600) -> list[tuple[str, str]
                 *args,
                 "--distributed",
                 f"--coordinator_address=127.0.0.1:{port}",
-                "--num_processes=2",
+                f"--num_processes={count}",
                 f"--process_id={i}",
             ],
             cwd=ROOT,
@@ -64,7 +71,7 @@ def two_processes(args: list[str], timeout: float = 600) -> list[tuple[str, str]
             stderr=subprocess.PIPE,
             text=True,
         )
-        for i in range(2)
+        for i in range(count)
     ]
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
@@ -84,19 +91,22 @@ def metrics(workdir: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in read_jsonl(str(workdir / "metrics.jsonl")) if key in r}
 
 
-FAMILIES = {  # family -> (train command, its extra flags, validation key, eval.py flags)
-    # Two input shards: the same packed batches whichever processes read them.
+FAMILIES = {  # family -> (processes, train command, its extra flags, validation key, eval flags)
+    # Data parallel, two input shards: the same packed batches whichever processes read them.
     "translation": (
+        2,
         translation.train_cmd,
         ["--config.data.input_shards=2"],
         f"{translation.EVAL_SPLIT}/nll",
         # A slice: two processes decode a step of beam search 5-10x slower than one on CPU.
         ["--split=test_2017_mscoco[:99]", "--beam_size=2"],
     ),
-    # Parameters and optimizer state split over both processes (fsdp pairs devices of the two
-    # processes, tensor pairs each process's own), checkpointed by both and restored.
-    # A slice: the whole test split (82k tokens) is ~0.6k steps of 8 rows, ~20 s per side.
+    # One device a process: the tensor axis pairs processes 0-1 and 2-3 (each pair reads one
+    # block of rows), the fsdp axis splits the parameters and Adam's state over the pairs; every
+    # process checkpoints and restores its part. A slice: the whole test split (82k tokens) is
+    # ~0.6k steps of 8 rows, ~20 s per side.
     "language_modeling": (
+        4,
         lm.train_cmd,
         ["--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"],
         f"{lm.EVAL_SPLIT}/nll",
@@ -105,10 +115,10 @@ FAMILIES = {  # family -> (train command, its extra flags, validation key, eval.
 }
 
 
-@pytest.mark.slow  # ~2 min per family: 7 processes, most of it compiling
+@pytest.mark.slow  # ~2 min per family: 3 runs of several processes, most of it compiling
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_two_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi30k_dir):
-    train_cmd, extra, val_key, eval_flags = FAMILIES[family]
+def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi30k_dir):
+    count, train_cmd, extra, val_key, eval_flags = FAMILIES[family]
     common = [*FLOAT64, *extra, "--config.train.num_steps=4", "--config.train.eval_every=4"]
     one = tmp_path / "one"
     result = translation.run(
@@ -117,10 +127,10 @@ def test_two_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, m
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
-    # Two processes, preparing their own data directory (process 0 first, behind a barrier).
-    # The first run stops on a spent time budget at its first logging step (2).
+    # Several processes, preparing their own data directory (process 0 first, behind a
+    # barrier). The first run stops on a spent time budget at its first logging step (2).
     two, data_dir = tmp_path / "two", tmp_path / "tfds_two"
-    stopped = two_processes(
+    stopped = processes(
         train_cmd(
             two,
             data_dir,
@@ -128,10 +138,13 @@ def test_two_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, m
             "--config.train.max_train_seconds=0.001",
             "--config.train.log_every=2",
             "--config.train.checkpoint_every=100",
-        )
+        ),
+        count,
     )
     assert translation.checkpoint_steps(two) == [2], stopped[0][1][-3000:]
-    resumed = two_processes(train_cmd(two, data_dir, *common, "--config.train.checkpoint_every=2"))
+    resumed = processes(
+        train_cmd(two, data_dir, *common, "--config.train.checkpoint_every=2"), count
+    )
     for _, err in resumed:
         assert "resumed from step 2" in err
     assert translation.checkpoint_steps(two)[-1] == 4
@@ -149,8 +162,8 @@ def test_two_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, m
     result = translation.run(["eval.py", f"--workdir={one}", *eval_flags], env_extra=FOUR_DEVICES)
     assert result.returncode == 0, result.stderr[-3000:]
     want = json.loads(result.stdout)
-    (out0, _), (out1, _) = two_processes(["eval.py", f"--workdir={two}", *eval_flags])
-    assert "{" not in out1  # stdout also holds Gloo's connection lines
+    (out0, _), *others = processes(["eval.py", f"--workdir={two}", *eval_flags], count)
+    assert not any("{" in out for out, _ in others)  # stdout also holds Gloo's lines
     out0 = "\n" + out0
     have = json.loads(out0[out0.index("\n{") + 1 :])
     assert json.loads((two / f"eval_{have['name']}.json").read_text()) == have
@@ -231,14 +244,52 @@ def test_input_shards_must_divide_over_processes_and_rows():
     config.train.batch_size = config.eval.batch_size = 6
     with pytest.raises(ValueError, match="train.batch_size=6 must be divisible by the 4"):
         config_lib.check_devices(config, 4, num_processes=4)
-    # One device a process, tensor pairs across processes: the pair would read two row sets.
+    # One device a process, tensor pairs across processes: a pair reads one block of rows, so
+    # 8 blocks; the input shards divide over those.
     config.train.batch_size = config.eval.batch_size = 16
-    config.mesh.data, config.mesh.tensor, config.data.input_shards = -1, 2, 0
-    message = r"the 8 row shards .* must be a multiple of the 16 processes: mesh.tensor would"
+    config.mesh.data, config.mesh.tensor = -1, 2
+    for shards in (0, 8, 16):
+        config.data.input_shards = shards
+        config_lib.check_devices(config, 16, num_processes=16)
+    config.data.input_shards = 4
+    with pytest.raises(ValueError, match="data.input_shards=4 .* multiple of the 8 blocks"):
+        config_lib.check_devices(config, 16, num_processes=16)
+    # 4 devices a process, tensor triples: the second process would hold half a shard.
+    config.train.batch_size = config.eval.batch_size = 12
+    config.mesh.tensor, config.data.input_shards = 3, 0
+    message = r"mesh.tensor=3 splits the row shards .* over 3 processes of 4 devices each"
     for training in (True, False):
         with pytest.raises(ValueError, match=message):
-            config_lib.check_devices(config, 16, num_processes=16, training=training)
-    config_lib.check_devices(config, 16, num_processes=8)  # 2 devices a process: one pair each
+            config_lib.check_devices(config, 12, num_processes=3, training=training)
+    config_lib.check_devices(config, 12, num_processes=4)  # 3 devices a process: one triple
+
+
+OWNER_LAYOUTS = {  # (mesh sizes, devices per process) -> the blocks the processes read
+    "a shard per process": ((2, 2, 2), 2, [0, 1, 2, 3]),
+    "two shards per process": ((4, 1, 2), 4, [0, 1]),
+    "tensor pairs across processes": ((1, 2, 2), 1, [0, 0, 1, 1]),
+    "one shard for all": ((1, 1, 4), 2, [0, 0]),
+    "fsdp across processes": ((1, 4, 1), 2, [0, 1]),
+}
+
+
+@pytest.mark.parametrize("layout", list(OWNER_LAYOUTS))
+def test_each_process_reads_the_rows_of_its_devices(layout):
+    """Against the rows each device holds, device by device: a process's block is the union of
+    its devices' rows, and two processes read the same rows or disjoint ones."""
+    sizes, local, expected = OWNER_LAYOUTS[layout]
+    owners = np.arange(int(np.prod(sizes))).reshape(sizes) // local
+    blocks, count = sharding.row_blocks(owners)
+    assert blocks == expected and count == max(expected) + 1
+    rows, (data, fsdp, _) = 24, sizes
+    per_shard = rows // (data * fsdp)
+    for p, block in enumerate(blocks):
+        wanted = set()
+        for d, f, _ in np.argwhere(owners == p):
+            shard = d * fsdp + f
+            wanted |= set(range(shard * per_shard, (shard + 1) * per_shard))
+        per_block = rows // count
+        assert wanted == set(range(block * per_block, (block + 1) * per_block))
 
 
 def test_checkpoint_from_another_process_count_is_refused(tmp_path):

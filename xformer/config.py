@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
 
 from xformer import masks, model_config, positional, sharding
@@ -61,9 +62,10 @@ def base_config() -> ml_collections.ConfigDict:
     # under model.attention_impl=fused_packed (without it: one slot per position).
     c.data.max_pairs_per_row = 0
     # Translation: each training batch joins this many independent packed streams (disjoint
-    # shares of the pairs, train.batch_size / input_shards rows each); a process reads
-    # input_shards / processes of them (0 = one per process). Fix it to get the same batches
-    # from any number of processes.
+    # shares of the pairs, train.batch_size / input_shards rows each); a process reads those of
+    # its block of rows (one block per process, unless mesh.tensor spans processes: they share
+    # one); 0 = one stream per block. Fix it to get the same batches from any number of
+    # processes.
     c.data.input_shards = 0
 
     c.train = ml_collections.ConfigDict()
@@ -463,9 +465,12 @@ def check_devices(
     """Raise ValueError naming the keys when the mesh (mesh.data, mesh.fsdp, mesh.tensor) does
     not fit `num_devices`, the batches do not divide over its data x fsdp row shards
     (for `evaluating` eval.batch_size; for `training` train.batch_size and each micro-batch of
-    it, train.grad_accum_steps), or, for `training`, the training rows and input shards
-    (data.input_shards) do not divide over the processes."""
-    data, fsdp, _ = sharding.mesh_shape(config.mesh, num_devices)
+    it, train.grad_accum_steps), the processes (`num_processes`, their devices in a row as
+    make_mesh lays them) cannot each read whole row shards (sharding.row_blocks), or, for
+    `training`, the input shards (data.input_shards) do not divide over the row blocks the
+    processes read."""
+    sizes = sharding.mesh_shape(config.mesh, num_devices)
+    data, fsdp, _ = sizes
     shards = data * fsdp
     where = f"the {shards} row shards of the mesh (mesh.data x mesh.fsdp = {data} x {fsdp})"
     t = config.train
@@ -475,11 +480,8 @@ def check_devices(
     for key, rows in batches.items():
         if rows % shards:
             raise ValueError(f"{key}={rows} must be divisible by {where}")
-    if shards % num_processes:  # each process reads the rows of its own devices' shards
-        raise ValueError(
-            f"{where} must be a multiple of the {num_processes} processes: mesh.tensor would "
-            "span processes, each reading other rows for what must be one copy of them"
-        )
+    owners = np.arange(num_devices).reshape(sizes) // (num_devices // num_processes)
+    _, readers = sharding.row_blocks(owners)
     if not training:
         return
     if (t.batch_size // t.grad_accum_steps) % shards:
@@ -488,15 +490,12 @@ def check_devices(
             f"{t.grad_accum_steps} = {t.batch_size // t.grad_accum_steps} rows must be divisible "
             f"by {where} (lower train.grad_accum_steps or raise the batch size)"
         )
-    if t.batch_size % num_processes:
-        raise ValueError(
-            f"train.batch_size={t.batch_size} must be divisible by the {num_processes} processes"
-        )
     shards = config.data.input_shards
-    if shards < 0 or (shards and (shards % num_processes or t.batch_size % shards)):
+    if shards < 0 or (shards and (shards % readers or t.batch_size % shards)):
         raise ValueError(
-            f"data.input_shards={shards} must be 0 (one per process) or a multiple of the "
-            f"{num_processes} processes that divides train.batch_size={t.batch_size}"
+            f"data.input_shards={shards} must be 0 (one per row block) or a multiple of the "
+            f"{readers} blocks of rows the processes read that divides "
+            f"train.batch_size={t.batch_size}"
         )
 
 

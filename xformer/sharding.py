@@ -93,6 +93,35 @@ def mesh_shape(shape: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def row_blocks(owners: np.ndarray) -> tuple[list[int], int]:
+    """Which block of the batch rows each process reads, and how many blocks there are.
+
+    owners [data, fsdp, tensor]: the process index of each device of the mesh. The batch rows
+    split into data x fsdp shards, each held by its tensor axis's devices; a process reads the
+    rows of every shard its devices hold. Processes whose devices hold the same shards
+    (mesh.tensor spanning them) read the same block; the blocks are equal runs of shards.
+    Raises ValueError when the processes' shards overlap otherwise."""
+    shards = owners.reshape(-1, owners.shape[-1])  # [row shards, tensor]
+    processes = int(owners.max()) + 1
+    held = [tuple(np.flatnonzero((shards == p).any(axis=1))) for p in range(processes)]
+    blocks = sorted(set(held))
+    size = len(blocks[0])
+    if any(b != tuple(range(i * size, (i + 1) * size)) for i, b in enumerate(blocks)):
+        raise ValueError(
+            f"mesh.tensor={owners.shape[-1]} splits the row shards of the mesh unevenly over "
+            f"{processes} processes of {owners.size // processes} devices each: it must divide, "
+            "or be a multiple of, each process's device count"
+        )
+    return [blocks.index(h) for h in held], len(blocks)
+
+
+def process_row_block(mesh: Mesh) -> tuple[int, int]:
+    """(this process's block of the batch rows, the number of blocks): see row_blocks."""
+    owners = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    blocks, count = row_blocks(owners)
+    return blocks[jax.process_index()], count
+
+
 def batch_spec(mesh: Mesh, axis: int = 0) -> P:
     """Rows (dimension `axis`) over data x fsdp; the tensor axis holds copies."""
     return P(*[None] * axis, BATCH_AXES)

@@ -584,7 +584,7 @@ def train_and_evaluate(
         if step < t.num_steps and os.path.exists(done_path):
             os.remove(done_path)  # training further: the old marker is stale
 
-    def global_batch(batch):
+    def global_batch(batch):  # this process's block of rows (sharding.row_blocks)
         return jax.make_array_from_process_local_data(exp.batch_sharding, batch)
 
     first = global_batch(next(data_iter))

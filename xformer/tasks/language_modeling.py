@@ -173,8 +173,9 @@ class LanguageModelingTask:
 
     def train_batches(self) -> TrainStream:
         c = self.config
-        local = c.train.batch_size // jax.process_count()
-        rows = slice(jax.process_index() * local, (jax.process_index() + 1) * local)
+        block, blocks = sharding.process_row_block(self.exp.mesh)
+        local = c.train.batch_size // blocks
+        rows = slice(block * local, (block + 1) * local)
         stream = self.stream(c.data.train_split)
         return TrainStream(stream, c.train.batch_size, c.data.segment_length, rows)
 

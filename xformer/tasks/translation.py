@@ -123,9 +123,9 @@ class TranslationTask:
     def train_batches(self):
         c = self.config
         pairs = encoded_split(c, c.data.train_split, self.src_tok, self.tgt_tok, self.workdir)
-        num_shards = c.data.input_shards or jax.process_count()
-        per_process = num_shards // jax.process_count()
-        first = jax.process_index() * per_process
+        block, blocks = sharding.process_row_block(self.exp.mesh)
+        num_shards = c.data.input_shards or blocks
+        per_block = num_shards // blocks
         dataset = packed_train_dataset(
             pairs,
             batch_size=c.train.batch_size,
@@ -134,7 +134,7 @@ class TranslationTask:
             num_packing_bins=c.data.num_packing_bins,
             max_pairs_per_row=c.data.max_pairs_per_row,
             num_shards=num_shards,
-            shards=range(first, first + per_process),
+            shards=range(block * per_block, (block + 1) * per_block),
         )
         return iter(dataset)
 
