@@ -203,9 +203,11 @@ def test_encoder_decoder_on_splash_trains_like_xla(dtype, remat, pretend_tpu):
     loss = translation_loss(src_segments, tgt_segments)
     assert [pallas_calls(loss, m) for m in models] == [0, 3] + [0] * (dtype == "bfloat16")
     results = [_model_loss_and_grads(m, loss) for m in models]
-    # Rows of 128 positions, 16x the other model tests': a bias gradient sums 256 rows of
-    # bfloat16 cotangents, which each path rounds its own way (seen: 4.3e-2 against xla's).
-    _assert_models_agree(results, dtype, tolerance=2 * TOLERANCE[dtype])
+    # Rows of 128 positions, 16x the other model tests': a kernel's or bias's gradient sums 256
+    # rows of bfloat16 cotangents, which each path rounds its own way (seen against xla's: 4.3e-2
+    # of a bias's scale; 1.13e-1 of an FFN kernel's, once in ~30 suites; 25 fresh draws:
+    # 0.24-0.72 of 2x TOLERANCE). The float32 cases hold the paths to 2e-5.
+    _assert_models_agree(results, dtype, tolerance=4 * TOLERANCE[dtype])
 
 
 def test_language_model_on_splash_trains_like_xla(pretend_tpu):
