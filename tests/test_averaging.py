@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_train_eval import run, tiny_experiment, train_cmd
+from test_train_eval import copy_shared_vocab, run, tiny_experiment, train_cmd
 
 from xformer.averaging import average_params, steps_to_average
 from xformer.checkpoint import read_state
@@ -77,6 +77,7 @@ def test_eval_average_last_and_the_averaged_workdir(tmp_path, tfds_dir):
         "--config.train.checkpoint_every=2",
         "--config.train.keep_checkpoints=3",
     ]
+    copy_shared_vocab(workdir, tfds_dir)
     trained = run(train_cmd(workdir, tfds_dir, *steps, shared_vocab=False))  # average.py copies it
     assert trained.returncode == 0, trained.stderr[-3000:]
     source = tmp_path / "in.en"

@@ -397,6 +397,7 @@ def test_a_workdir_resumes_only_its_own_run(tmp_path, tfds_dir, multi30k_dir):
     def train_cmd(*extra):  # the workdir's own vocabulary, deleted below
         return translation.train_cmd(workdir, tfds_dir, *extra, shared_vocab=False)
 
+    translation.copy_shared_vocab(workdir, tfds_dir)
     first = translation.run(train_cmd("--config.train.num_steps=2"))
     assert first.returncode == 0, first.stderr[-3000:]
     progress = json.loads((workdir / "checkpoints" / "2" / "progress" / "metadata").read_text())

@@ -4,6 +4,7 @@ restores. (Resuming after a kill: test_reliability.py.)"""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -59,6 +60,19 @@ def shared_vocab_dir(tfds_dir) -> str:
     """Where a test worker's runs keep their SentencePiece models (data.vocab_dir): trained once
     per worker and data directory (about 12 s on a slow machine), not once per workdir."""
     return os.path.join(tfds_dir, "vocab")
+
+
+def copy_shared_vocab(workdir, tfds_dir) -> None:
+    """Copy the worker's shared SentencePiece model (trained here if no run has yet) into
+    `workdir`'s own vocabulary directory, where a `shared_vocab=False` run finds it instead of
+    training the same model again (~10 s)."""
+    from xformer.data.translation import load_tokenizers
+
+    load_tokenizers(tiny_config(tfds_dir), str(workdir))
+    own = Path(workdir) / "vocab"
+    own.mkdir(parents=True, exist_ok=True)
+    for model in Path(shared_vocab_dir(tfds_dir)).glob("*.model"):
+        shutil.copy(model, own / model.name)
 
 
 def train_cmd(workdir, tfds_dir, *extra, shared_vocab=True):
