@@ -1,10 +1,11 @@
-"""train.py and eval.py as several processes on localhost (jax.distributed, 4 simulated CPU
-devices in all) against 1 process on 4 devices with the same global batch: the run stops on its
+"""train.py and eval.py as several processes on localhost (jax.distributed, simulated CPU
+devices) against 1 process on as many devices with the same global batch: the run stops on its
 time budget (decided once, by process 0's clock), checkpoints every process's own data position,
 resumes, and its losses, final parameters, validation and test scores equal the one-process
-run's; process 0 alone writes the results. Translation: 2 processes, data-parallel. The
-language model: 4 processes of one device on data 1 x fsdp 2 x tensor 2, each tensor pair
-spanning two processes that read the same rows, the parameters split over the pairs."""
+run's; process 0 alone writes the results. Translation: 2 processes of 2 devices on fsdp 4,
+each process reading its own rows and holding half of every parameter. The language model: 2
+processes of one device on tensor 2, the pair reading the same rows, each holding its half of
+the tensor-split parameters (one task per GPU, as under SLURM)."""
 
 import json
 import os
@@ -35,7 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 X64 = {"JAX_ENABLE_X64": "1"}
 FLOAT64 = ["--config.model.dtype=float64", "--config.model.param_dtype=float64"]
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
-FOUR_DEVICES = {**translation.FOUR_DEVICES, **X64}
 
 
 def free_port() -> int:
@@ -44,15 +44,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def processes(args: list[str], count: int, timeout: float = 600) -> list[tuple[str, str]]:
-    """Run `python *args` as the `count` processes of one jax.distributed job, with 4 simulated
-    CPU devices in all; their (stdout, stderr)."""
+def simulated_devices(count: int) -> dict[str, str]:
+    """The environment of a float64 process with `count` simulated CPU devices."""
+    flags = translation.FOUR_DEVICES["XLA_FLAGS"].replace("=4", f"={count}")
+    return {**X64, "XLA_FLAGS": flags}
+
+
+def processes(
+    args: list[str], count: int, devices: int, timeout: float = 600
+) -> list[tuple[str, str]]:
+    """Run `python *args` as the `count` processes of one jax.distributed job, `devices`
+    simulated CPU devices each; their (stdout, stderr)."""
     port = free_port()
-    devices = translation.FOUR_DEVICES["XLA_FLAGS"].replace("=4", f"={4 // count}")
     env = {
         **os.environ,
-        **X64,
-        "XLA_FLAGS": devices,
+        **simulated_devices(devices),
         "XFORMER_DATA_DIR": str(ROOT.parent / "shared" / "data"),
     }
     procs = [
@@ -91,40 +97,45 @@ def metrics(workdir: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in read_jsonl(str(workdir / "metrics.jsonl")) if key in r}
 
 
-FAMILIES = {  # family -> (processes, train command, its extra flags, validation key, eval flags)
-    # Data parallel, two input shards: the same packed batches whichever processes read them.
+FAMILIES = {  # family -> (processes, devices a process, train command, its extra flags,
+    # validation key, eval flags)
+    # fsdp over both processes: each reads its own rows (two input shards: the same packed
+    # batches whichever processes read them) and holds, checkpoints and restores half of every
+    # parameter and of Adam's state.
     "translation": (
         2,
+        2,
         translation.train_cmd,
-        ["--config.data.input_shards=2"],
+        ["--config.data.input_shards=2", "--config.mesh.data=1", "--config.mesh.fsdp=4"],
         f"{translation.EVAL_SPLIT}/nll",
         # A slice of 2.5 batches of 16: two processes decode a step of beam search 5-10x slower
         # than one on CPU.
         ["--split=test_2017_mscoco[:40]", "--beam_size=2"],
     ),
-    # One device a process: the tensor axis pairs processes 0-1 and 2-3 (each pair reads one
-    # block of rows), the fsdp axis splits the parameters and Adam's state over the pairs; every
-    # process checkpoints and restores its part. A slice: the whole test split (82k tokens) is
-    # ~0.6k steps of 8 rows, each a few collectives between the 4 processes.
+    # One device a process: the tensor pair spans the processes, which read the same rows and
+    # hold their halves of the tensor-split parameters. A slice: the whole test split (82k
+    # tokens) is ~0.6k steps of 8 rows, each a few collectives between the processes.
     "language_modeling": (
-        4,
+        2,
+        1,
         lm.train_cmd,
-        ["--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"],
+        ["--config.mesh.data=1", "--config.mesh.tensor=2"],
         f"{lm.EVAL_SPLIT}/nll",
         ["--split=test[:100]"],
     ),
 }
 
 
-@pytest.mark.slow  # ~2 min per family: 3 runs of several processes, most of it compiling
+@pytest.mark.slow  # 1-1.5 min per family: 3 runs of several processes, most of it compiling
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi30k_dir):
-    count, train_cmd, extra, val_key, eval_flags = FAMILIES[family]
+    count, devices, train_cmd, extra, val_key, eval_flags = FAMILIES[family]
+    all_devices = simulated_devices(count * devices)
     common = [*FLOAT64, *extra, "--config.train.num_steps=4", "--config.train.eval_every=4"]
     one = tmp_path / "one"
     result = translation.run(
         train_cmd(one, tfds_dir, *common, "--config.train.checkpoint_every=2"),
-        env_extra=FOUR_DEVICES,
+        env_extra=all_devices,
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -141,10 +152,11 @@ def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi
             "--config.train.checkpoint_every=100",
         ),
         count,
+        devices,
     )
     assert translation.checkpoint_steps(two) == [2], stopped[0][1][-3000:]
     resumed = processes(
-        train_cmd(two, data_dir, *common, "--config.train.checkpoint_every=2"), count
+        train_cmd(two, data_dir, *common, "--config.train.checkpoint_every=2"), count, devices
     )
     for _, err in resumed:
         assert "resumed from step 2" in err
@@ -160,10 +172,10 @@ def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi
         np.testing.assert_allclose(have[name], want[name], **TOLERANCE, err_msg=name)
 
     # eval.py: the same scores; process 0 alone prints and writes them.
-    result = translation.run(["eval.py", f"--workdir={one}", *eval_flags], env_extra=FOUR_DEVICES)
+    result = translation.run(["eval.py", f"--workdir={one}", *eval_flags], env_extra=all_devices)
     assert result.returncode == 0, result.stderr[-3000:]
     want = json.loads(result.stdout)
-    (out0, _), *others = processes(["eval.py", f"--workdir={two}", *eval_flags], count)
+    (out0, _), *others = processes(["eval.py", f"--workdir={two}", *eval_flags], count, devices)
     assert not any("{" in out for out, _ in others)  # stdout also holds Gloo's lines
     out0 = "\n" + out0
     have = json.loads(out0[out0.index("\n{") + 1 :])
