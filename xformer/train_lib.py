@@ -607,7 +607,7 @@ def train_and_evaluate(
         if peak
         else f"no peak: {device_kind!r} is not in flops.PEAK_TFLOPS (set train.peak_tflops)",
     )
-    lr_fn = learning_rate_schedule(t)
+    lr_fn = jax.jit(learning_rate_schedule(t))  # one program, not an eager op per term
 
     eval_seconds = float(progress.get("eval_seconds", 0.0))  # validation passes, all starts
     nonfinite = NonfiniteSteps(t.nonfinite, int(progress.get("nonfinite_steps", 0)), step)
