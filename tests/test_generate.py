@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_language_modeling import SHARED, run, train_cmd
+from test_language_modeling import SHARED, run, train_cmd, vocab_dir
 
 from xformer.data.vocab import ByteVocab, CharVocab, WordVocab
 from xformer.generate import (
@@ -352,7 +352,7 @@ def test_sample_py_on_a_tiny_trained_ptb_workdir(tmp_path, tfds_dir):
     assert "generated 3 x 30 tokens in" in result.stdout and "tokens/s" in result.stdout
     assert first["samples"] == again["samples"] and first["tokens"] == again["tokens"]
     assert first["samples"] != other["samples"]
-    vocab = (workdir / "vocab" / "ptb.vocab").read_text().split()
+    vocab = (vocab_dir(tfds_dir) / "ptb.vocab").read_text().split()
     assert np.array(first["tokens"]).shape == (3, 30)
     for text in first["samples"]:
         assert text in result.stdout
