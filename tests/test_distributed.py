@@ -9,9 +9,11 @@ the tensor-split parameters (one task per GPU, as under SLURM)."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -23,12 +25,13 @@ import test_language_modeling as lm
 import test_train_eval as translation
 
 from xformer import config as config_lib
-from xformer import sharding
+from xformer import faults, sharding
 from xformer.checkpoint import Checkpointer, read_state
 from xformer.config import flatten
 from xformer.data.pipeline import EncodedPairs, packed_train_dataset
 from xformer.dispatch import DispatchWindow
 from xformer.files import read_jsonl
+from xformer.preemption import EXIT_STOPPED
 
 ROOT = Path(__file__).resolve().parents[1]
 # float64, so that only the order of sums differs. atol: Adam moves a parameter by
@@ -50,43 +53,59 @@ def simulated_devices(count: int) -> dict[str, str]:
     return {**X64, "XLA_FLAGS": flags}
 
 
-def processes(
-    args: list[str], count: int, devices: int, timeout: float = 600
-) -> list[tuple[str, str]]:
-    """Run `python *args` as the `count` processes of one jax.distributed job, `devices`
-    simulated CPU devices each; their (stdout, stderr)."""
+def launch(
+    args: list[str], count: int, devices: int, logs: Path, fault: dict[int, str] | None = None
+) -> list[subprocess.Popen]:
+    """Start `python *args` as the `count` processes of one jax.distributed job, `devices`
+    simulated CPU devices each, process i's stdout and stderr in logs/i.out and logs/i.err;
+    `fault` {process: XFORMER_FAULT} stalls some of them (xformer/faults.py)."""
     port = free_port()
     env = {
         **os.environ,
         **simulated_devices(devices),
         "XFORMER_DATA_DIR": str(ROOT.parent / "shared" / "data"),
     }
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                *args,
-                "--distributed",
-                f"--coordinator_address=127.0.0.1:{port}",
-                f"--num_processes={count}",
-                f"--process_id={i}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(count)
-    ]
+    env.pop(faults.ENV, None)
+    logs.mkdir(parents=True)
+    procs = []
+    for i in range(count):
+        flags = [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={count}"]
+        with open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *args, "--distributed", *flags, f"--process_id={i}"],
+                    cwd=ROOT,
+                    env={**env, **({faults.ENV: fault[i]} if fault and i in fault else {})},
+                    stdout=out,
+                    stderr=err,
+                )
+            )
+    return procs
+
+
+def outputs(
+    procs: list[subprocess.Popen], logs: Path, status: int = 0, timeout: float = 600
+) -> list[tuple[str, str]]:
+    """Wait for the processes of `launch`; each one's (stdout, stderr), once every one has
+    exited with `status`."""
     try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
+        for p in procs:
+            p.wait(timeout=timeout)
     finally:
         for p in procs:
             p.kill()
-    for i, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"process {i}:\n{err[-4000:]}"
-    return outputs
+    texts = [
+        tuple((logs / f"{i}.{kind}").read_text() for kind in ("out", "err"))
+        for i in range(len(procs))
+    ]
+    for i, (p, (_, err)) in enumerate(zip(procs, texts, strict=True)):
+        assert p.returncode == status, f"process {i}: status {p.returncode}\n{err[-4000:]}"
+    return texts
+
+
+def processes(args: list[str], count: int, devices: int, logs: Path) -> list[tuple[str, str]]:
+    """`launch` and `outputs`: every process must exit with status 0."""
+    return outputs(launch(args, count, devices, logs), logs)
 
 
 def final_params(workdir: Path, step: int) -> dict[str, np.ndarray]:
@@ -130,7 +149,7 @@ FAMILIES = {  # family -> (processes, devices a process, train command, its extr
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi30k_dir):
     count, devices, train_cmd, extra, val_key, eval_flags = FAMILIES[family]
-    all_devices = simulated_devices(count * devices)
+    all_devices, logs = simulated_devices(count * devices), tmp_path / "logs"
     common = [*FLOAT64, *extra, "--config.train.num_steps=4", "--config.train.eval_every=4"]
     one = tmp_path / "one"
     result = translation.run(
@@ -140,23 +159,38 @@ def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi
     assert result.returncode == 0, result.stderr[-3000:]
 
     # Several processes, preparing their own data directory (process 0 first, behind a
-    # barrier). The first run stops on a spent time budget at its first logging step (2).
+    # barrier). The first run stops at its first logging step (2) with a checkpoint:
+    # translation on a spent time budget (process 0's clock decides for all), the language model
+    # on a SIGTERM to process 1 alone, sent while it stalls after step 2 (every process stops
+    # there, status 75).
     two, data_dir = tmp_path / "two", tmp_path / "tfds_two"
-    stopped = processes(
-        train_cmd(
-            two,
-            data_dir,
-            *common,
-            "--config.train.max_train_seconds=0.001",
-            "--config.train.log_every=2",
-            "--config.train.checkpoint_every=100",
-        ),
-        count,
-        devices,
-    )
+    stop = ["--config.train.log_every=2", "--config.train.checkpoint_every=100"]
+    if family == "translation":
+        stop.append("--config.train.max_train_seconds=0.001")
+        stopped = processes(train_cmd(two, data_dir, *common, *stop), count, devices, logs / "stop")
+    else:
+        marker = tmp_path / "stalled"
+        procs = launch(
+            train_cmd(two, data_dir, *common, *stop),
+            count,
+            devices,
+            logs / "stop",
+            fault={1: f"step:2:{marker}"},
+        )
+        deadline = time.time() + 600
+        while not marker.exists():
+            assert all(p.poll() is None for p in procs) and time.time() < deadline
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+        stopped = outputs(procs, logs / "stop", status=EXIT_STOPPED)
+        assert "stopped by SIGTERM at step 2" in stopped[1][1]
+        assert "stopped by a signal to another process at step 2" in stopped[0][1]
     assert translation.checkpoint_steps(two) == [2], stopped[0][1][-3000:]
     resumed = processes(
-        train_cmd(two, data_dir, *common, "--config.train.checkpoint_every=2"), count, devices
+        train_cmd(two, data_dir, *common, "--config.train.checkpoint_every=2"),
+        count,
+        devices,
+        logs / "resume",
     )
     for _, err in resumed:
         assert "resumed from step 2" in err
@@ -175,7 +209,9 @@ def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi
     result = translation.run(["eval.py", f"--workdir={one}", *eval_flags], env_extra=all_devices)
     assert result.returncode == 0, result.stderr[-3000:]
     want = json.loads(result.stdout)
-    (out0, _), *others = processes(["eval.py", f"--workdir={two}", *eval_flags], count, devices)
+    (out0, _), *others = processes(
+        ["eval.py", f"--workdir={two}", *eval_flags], count, devices, logs / "eval"
+    )
     assert not any("{" in out for out, _ in others)  # stdout also holds Gloo's lines
     out0 = "\n" + out0
     have = json.loads(out0[out0.index("\n{") + 1 :])

@@ -653,7 +653,7 @@ def train_and_evaluate(
                 if t.max_train_seconds:
                     remaining = min(remaining, t.max_train_seconds - budget_seconds)
                 steps_per_s = len(pending) / dt
-                with clock.paused():  # (a schedule's first call compiles its jnp ops: ~1 s)
+                with clock.paused():  # (the schedule's first call compiles it)
                     learning_rate = float(lr_fn(step - nonfinite.total))
                 last_metrics = {
                     **interval_losses(pending),
@@ -726,7 +726,7 @@ def train_and_evaluate(
     if stopped == "signal":
         logging.warning(
             "stopped by %s at step %d with a checkpoint: re-run the same command to resume",
-            signals.signal_name,
+            signals.signal_name or "a signal to another process",
             step,
         )
     return {"step": step, "stopped": stopped, **last_metrics}
