@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import test_language_modeling as lm
 import test_train_eval as translation
+from jax.experimental import multihost_utils
 from test_distributed import final_params, metrics
 from test_grad_accum import ROWS, tiny_task
 from test_language_modeling import ptb  # noqa: F401 (a fixture)
@@ -31,6 +32,7 @@ from test_language_modeling import ptb  # noqa: F401 (a fixture)
 from xformer import config as config_lib
 from xformer import experiment as experiment_lib
 from xformer import faults, train_lib
+from xformer.checkpoint import Checkpointer
 from xformer.preemption import EXIT_STOPPED
 from xformer.train_lib import train_step
 
@@ -207,6 +209,47 @@ def test_a_second_signal_exits_at_once(tmp_path):
         )
         assert result.stdout == "asked to stop\n", result.stderr
         assert result.returncode == -getattr(signal, name)
+
+
+def test_with_several_processes_sigterm_stays_with_jax_and_sigint_goes_to_it():
+    """In a run of several processes SIGTERM belongs to JAX's preemption service (here a Python
+    handler stands for it): installing leaves it there, and a SIGINT asks to stop and reaches
+    the service as a SIGTERM, so that every process stops at the same step."""
+    script = textwrap.dedent(
+        """
+        import os, signal
+        from xformer.preemption import StopOnSignal
+        notices = []
+        service = lambda signum, frame: notices.append(signal.Signals(signum).name)
+        signal.signal(signal.SIGTERM, service)
+        stop = StopOnSignal(several_processes=True)
+        stop.install()
+        assert signal.getsignal(signal.SIGTERM) is service
+        os.kill(os.getpid(), signal.SIGINT)
+        print(stop.signal_name, notices, signal.getsignal(signal.SIGTERM) is service)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.stdout == "SIGINT ['SIGTERM'] True\n", result.stderr
+
+
+def test_saving_leaves_jax_preemption_service_to_the_train_loop(tmp_path, monkeypatch):
+    """Saves (their finalize threads included) never ask JAX's preemption service, as orbax's
+    manager does by default: the step count its protocol reads is the train loop's alone."""
+    asked = []
+    monkeypatch.setattr(
+        multihost_utils, "reached_preemption_sync_point", lambda step: asked.append(step) or False
+    )
+    ckpt = Checkpointer(str(tmp_path))
+    weights = np.random.default_rng().normal(size=3).astype(np.float32)
+    for step in (1, 2):
+        ckpt.save(step, {"w": jnp.asarray(weights * step)})
+    ckpt.close()
+    state, _ = Checkpointer(str(tmp_path)).restore({"w": jnp.zeros(3)})
+    np.testing.assert_array_equal(state["w"], weights * 2)
+    assert asked == []
 
 
 # Non-finite steps -----------------------------------------------------------------------------

@@ -20,6 +20,17 @@ class CheckpointShapeError(ValueError):
     """A checkpoint holds arrays of other shapes than the model restoring it."""
 
 
+class _CheckpointManager(ocp.CheckpointManager):
+    """Orbax's manager, leaving JAX's preemption service to the train loop. The loop asks it
+    after every step with its count of steps (distributed.preemption_sync_point); orbax would
+    also ask it when saving, with the checkpoint's step and from its finalize thread, moving
+    the count that the service's protocol reads (one process could then pass the agreed stop
+    step, and the others wait for it in a collective). The loop saves at the stop itself."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class Checkpointer:
     """Keeps the last `keep` checkpoints under <workdir>/checkpoints.
 
@@ -36,7 +47,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, temporary_path_class=faults.checkpoint_path_class()
         )
-        self.manager = ocp.CheckpointManager(
+        self.manager = _CheckpointManager(
             os.path.join(os.path.abspath(workdir), "checkpoints"),
             options=options,
             item_names=("state", "data", "progress"),

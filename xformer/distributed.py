@@ -14,6 +14,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+# The coordination-service directory where JAX's preemption sync protocol collects each
+# process's step count (xla/tsl preemption_sync_manager.cc): read by preemption_decided only.
+PREEMPTION_COUNTS = "PREEMPTION_CURRENT_COUNTER/"
+
 
 def initialize(
     coordinator_address: str | None = None,
@@ -28,6 +32,37 @@ def initialize(
         "process_id": process_id,
     }
     jax.distributed.initialize(**{k: v for k, v in explicit.items() if v is not None})
+
+
+def check_preemption_service() -> None:
+    """Several processes agree on a stop through JAX's preemption service: fail before any
+    compute where it is off (they could not stop together on a signal)."""
+    if jax.process_count() > 1 and not jax.config.jax_enable_preemption_service:
+        raise ValueError(
+            "several processes stop on a signal through JAX's preemption service, which is off: "
+            "unset JAX_ENABLE_PREEMPTION_SERVICE / jax_enable_preemption_service=False"
+        )
+
+
+def preemption_sync_point(count: int) -> bool:
+    """Whether every process stops after this start's `count`th step (count 1, 2, ... on every
+    process, after every step). With several processes, jax.distributed.initialize has given
+    SIGTERM to JAX's preemption service: a SIGTERM to any process starts a protocol among all of
+    them, on host threads through the coordination service (no device collective), that picks
+    the step after the furthest any of them has reached; each returns True there. Counted
+    from this start, not from the checkpoint's step, a signal during set-up (counts still 0)
+    stops after the first step. One process: False (it acts on its own signal)."""
+    return jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(count)
+
+
+def preemption_decided() -> bool:
+    """Every process has sent its step count to JAX's preemption sync protocol: the stop step
+    is being decided, and this process's next preemption_sync_point call waits for it. (For a
+    fault injection that stalls a process until a signal's stop is under way.)"""
+    from jax._src import distributed as jax_distributed  # (its coordination-service client)
+
+    counts = jax_distributed.global_state.client.key_value_dir_get(PREEMPTION_COUNTS)
+    return len(counts) == jax.process_count()
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ benchmark kills it exactly there (no sleeps tuned to one machine).
 - `commit:<step>:<marker>`: checkpoint <step> is written to its temporary directory, then its
   commit (orbax's atomic rename) waits forever: a kill now interrupts an asynchronous write.
 - `step:<step>:<marker>`: after step <step> is dispatched the loop waits until a stop is
-  requested (SIGTERM / SIGINT), then goes on: a kill now falls between checkpoints.
+  requested (SIGTERM / SIGINT; with several processes, until they are deciding where to stop),
+  then goes on: a kill now falls between checkpoints.
 
 On stalling, the process writes the file <marker>. Unset (the default), nothing changes.
 """

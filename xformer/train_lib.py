@@ -323,16 +323,13 @@ def stop_reason(
     budget_seconds: float, budget: float, signalled: bool, step: int, log_every: int
 ) -> str | None:
     """Why training stops after this step: "signal" (SIGTERM / SIGINT), "max_train_seconds"
-    (the run's time budget is spent) or None. Several processes decide it once per logging
-    interval (at a step the host waits for the device anyway), together: a signal to any
-    process stops all, the budget by process 0's clock. A process that stopped alone would
-    leave the others waiting in a collective."""
+    (the run's time budget is spent) or None. With several processes `signalled` is already
+    common to all (distributed.preemption_sync_point), and the budget is decided once per
+    logging interval (at a step the host waits for the device anyway) by process 0's clock. A
+    process that stopped alone would leave the others waiting in a collective."""
     time_up = bool(budget) and budget_seconds >= budget
-    if jax.process_count() > 1:
-        if step % log_every:
-            return None
-        flags = distributed.allgather_flags([time_up, signalled])  # [processes, 2]
-        time_up, signalled = bool(flags[0, 0]), bool(flags[:, 1].any())
+    if jax.process_count() > 1:  # process 0's clock, at logging steps
+        time_up = not step % log_every and bool(distributed.allgather_flags([time_up])[0, 0])
     return "signal" if signalled else "max_train_seconds" if time_up else None
 
 
@@ -454,6 +451,7 @@ def train_and_evaluate(
         config_lib.validate(config)
         experiment_lib.check_workdir(config, workdir, accept_config_changes)
         config_lib.check_devices(config, jax.device_count(), jax.process_count())
+        distributed.check_preemption_service()
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from e
     # A resumed run needs the vocabulary it was trained with: never a new one.
@@ -615,7 +613,9 @@ def train_and_evaluate(
     start_time, start_step, pending, window = time.time(), step, [], DispatchWindow()
     batch, stopped = first, None
     profiler = StepProfiler(t.profile_steps, workdir, step, clock, compiled.as_text)
-    signals = StopOnSignal()
+    several = jax.process_count() > 1  # then a signal stops all at a step they agree on
+    signals = StopOnSignal(several_processes=several)
+    noticed = distributed.preemption_decided if several else signals.requested
     try:
         signals.install()  # SIGTERM / SIGINT: stop after a step, checkpointed
         if pending_eval:
@@ -629,11 +629,11 @@ def train_and_evaluate(
             window.push(metrics)
             step += 1
             profiler.after_step(step, (state, metrics))
-            faults.stall_after_step(step, signals.requested, exp.checkpointer.wait)
+            sync_point = several and distributed.preemption_sync_point(step - start_step)
+            faults.stall_after_step(step, noticed, exp.checkpointer.wait)
             budget_seconds = budget_before + time.time() - start_time - evaluating
-            stopped = stop_reason(
-                budget_seconds, t.max_train_seconds, signals.requested(), step, t.log_every
-            )
+            signalled = sync_point if several else signals.requested()
+            stopped = stop_reason(budget_seconds, t.max_train_seconds, signalled, step, t.log_every)
             done = step >= t.num_steps or stopped is not None
             checkpoint_due = step % t.checkpoint_every == 0 or done
             if checkpoint_due:  # the position after the batches consumed by steps 1..step
@@ -726,7 +726,7 @@ def train_and_evaluate(
     if stopped == "signal":
         logging.warning(
             "stopped by %s at step %d with a checkpoint: re-run the same command to resume",
-            signals.signal_name or "a signal to another process",
+            signals.signal_name or "a signal to one of the processes",
             step,
         )
     return {"step": step, "stopped": stopped, **last_metrics}
