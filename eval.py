@@ -160,7 +160,7 @@ def main(argv):
     if _WORKDIR.value is None:
         raise app.UsageError("--workdir (or --compare) is required")
     experiment_lib.quiet_library_logs()
-    distributed_flags.initialize_if_requested()
+    distributed_flags.initialize_if_requested(training=False)
     workdir = _WORKDIR.value
     if _INPUT.value and _SPLIT.value:
         raise app.UsageError("give --split or --input, not both")

@@ -129,7 +129,7 @@ def main(argv):
     if _POINT.value is not None:
         raise app.UsageError("--point needs --sweep")
     experiment_lib.quiet_library_logs()
-    distributed_flags.initialize_if_requested()
+    distributed_flags.initialize_if_requested(training=True)
     logging.info("devices: %s", jax.devices())
     try:
         result = train_lib.train_and_evaluate(

@@ -25,7 +25,7 @@ import pytest
 import test_language_modeling as lm
 import test_train_eval as translation
 from jax.experimental import multihost_utils
-from test_distributed import final_params, metrics
+from test_distributed import final_params, free_port, metrics
 from test_grad_accum import ROWS, tiny_task
 from test_language_modeling import ptb  # noqa: F401 (a fixture)
 
@@ -233,6 +233,41 @@ def test_with_several_processes_sigterm_stays_with_jax_and_sigint_goes_to_it():
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True
     )
     assert result.stdout == "SIGINT ['SIGTERM'] True\n", result.stderr
+
+
+@pytest.mark.parametrize("training,processes", [(True, 2), (True, 1), (False, 2)])
+def test_sigterm_stays_with_jax_only_for_training_several_processes(training, processes):
+    """jax.distributed.initialize gives SIGTERM to JAX's preemption service: training of
+    several processes keeps it there (the loop asks it where all stop); eval.py, or a run of
+    one process, gets SIGTERM's default back, so that `kill` ends it as without --distributed
+    (JAX would keep the signal for no one)."""
+    port = free_port()
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, time
+        from xformer import distributed
+        index = int(sys.argv[1])
+        distributed.initialize("127.0.0.1:{port}", {processes}, index, training={training})
+        if index == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)  # (kept: every process in JAX's protocol, before any shuts down)
+        print("alive", flush=True)
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(i)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        for i in range(processes)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=120)
+    finally:  # the other one would wait for process 0 at the shutdown barrier
+        for p in procs:
+            p.kill()
+            p.communicate()
+    kept = training and processes > 1
+    assert (procs[0].returncode, out) == ((0, "alive\n") if kept else (-signal.SIGTERM, ""))
 
 
 def test_saving_leaves_jax_preemption_service_to_the_train_loop(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ collective the rest wait in, and the run hangs.
 
 import contextlib
 import json
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,15 +24,24 @@ def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    *,
+    training: bool,
 ) -> None:
     """jax.distributed.initialize: explicit arguments where given, else what JAX detects from
-    the cluster's environment (SLURM, Open MPI, Cloud TPU, GKE, JAX_COORDINATOR_ADDRESS)."""
+    the cluster's environment (SLURM, Open MPI, Cloud TPU, GKE, JAX_COORDINATOR_ADDRESS).
+
+    It gives SIGTERM to JAX's preemption service, which only the training loop of several
+    processes asks (see preemption_sync_point); elsewhere (`training` False, or one process)
+    SIGTERM ends the process again, as without jax.distributed, instead of being kept for no
+    one."""
     explicit = {
         "coordinator_address": coordinator_address,
         "num_processes": num_processes,
         "process_id": process_id,
     }
     jax.distributed.initialize(**{k: v for k, v in explicit.items() if v is not None})
+    if not training or jax.process_count() == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def check_preemption_service() -> None:

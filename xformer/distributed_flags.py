@@ -17,10 +17,13 @@ NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --distributed:
 PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --distributed: this one's index.")
 
 
-def initialize_if_requested() -> None:
-    """Join the job when --distributed is given; a usage error for its flags without it."""
+def initialize_if_requested(training: bool) -> None:
+    """Join the job when --distributed is given (`training`: see distributed.initialize); a
+    usage error for its flags without it."""
     if DISTRIBUTED.value:
-        distributed.initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value)
+        distributed.initialize(
+            COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, training=training
+        )
     elif any(f.present for f in (COORDINATOR, NUM_PROCESSES, PROCESS_ID)):
         raise app.UsageError(
             "--coordinator_address, --num_processes, --process_id need --distributed"
