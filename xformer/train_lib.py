@@ -629,7 +629,7 @@ def train_and_evaluate(
             window.push(metrics)
             step += 1
             profiler.after_step(step, (state, metrics))
-            sync_point = several and distributed.preemption_sync_point(step - start_step)
+            sync_point = distributed.preemption_sync_point(step - start_step)  # (one: False)
             faults.stall_after_step(step, noticed, exp.checkpointer.wait)
             budget_seconds = budget_before + time.time() - start_time - evaluating
             signalled = sync_point if several else signals.requested()
