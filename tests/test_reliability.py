@@ -238,9 +238,9 @@ def test_with_several_processes_sigterm_stays_with_jax_and_sigint_goes_to_it():
 @pytest.mark.parametrize("training,processes", [(True, 2), (True, 1), (False, 2)])
 def test_sigterm_stays_with_jax_only_for_training_several_processes(training, processes):
     """jax.distributed.initialize gives SIGTERM to JAX's preemption service: training of
-    several processes keeps it there (the loop asks it where all stop); eval.py, or a run of
-    one process, gets SIGTERM's default back, so that `kill` ends it as without --distributed
-    (JAX would keep the signal for no one)."""
+    several processes keeps it there, and a loop asking the service after every "step" stops
+    every process after the same one; eval.py, or a run of one process, gets SIGTERM's default
+    back, so that `kill` ends it as without --distributed (JAX would keep it for no one)."""
     port = free_port()
     script = textwrap.dedent(
         f"""
@@ -250,8 +250,11 @@ def test_sigterm_stays_with_jax_only_for_training_several_processes(training, pr
         distributed.initialize("127.0.0.1:{port}", {processes}, index, training={training})
         if index == 0:
             os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(2)  # (kept: every process in JAX's protocol, before any shuts down)
-        print("alive", flush=True)
+        step = 1
+        while not distributed.preemption_sync_point(step):
+            time.sleep(0.02)
+            step += 1
+        print("stopped after", step, flush=True)
         """
     )
     procs = [
@@ -260,14 +263,18 @@ def test_sigterm_stays_with_jax_only_for_training_several_processes(training, pr
         )
         for i in range(processes)
     ]
+    kept = training and processes > 1
     try:
-        out, _ = procs[0].communicate(timeout=120)
-    finally:  # the other one would wait for process 0 at the shutdown barrier
+        outs = [p.communicate(timeout=120)[0] for p in (procs if kept else procs[:1])]
+    finally:  # (a process left alone would loop, or wait for process 0 at shutdown)
         for p in procs:
             p.kill()
             p.communicate()
-    kept = training and processes > 1
-    assert (procs[0].returncode, out) == ((0, "alive\n") if kept else (-signal.SIGTERM, ""))
+    if kept:
+        assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1], outs
+        assert outs[0].startswith("stopped after "), outs
+    else:
+        assert (procs[0].returncode, outs[0]) == (-signal.SIGTERM, "")
 
 
 def test_saving_leaves_jax_preemption_service_to_the_train_loop(tmp_path, monkeypatch):
