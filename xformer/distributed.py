@@ -90,15 +90,6 @@ def main_process_first(name: str) -> Iterator[None]:
             multihost_utils.sync_global_devices(name)
 
 
-def allgather_flags(flags: list[bool]) -> np.ndarray:
-    """Every process's `flags`: a bool array [processes, len(flags)], in process order."""
-    mine = np.asarray(flags, bool)
-    if jax.process_count() == 1:
-        return mine[None]
-    rows = multihost_utils.process_allgather(mine.astype(np.uint8))
-    return np.asarray(rows).reshape(-1, mine.size).astype(bool)
-
-
 def allgather_json(value: Any) -> list:
     """Every process's JSON-serialisable `value`, in process order, on every process."""
     if jax.process_count() == 1:

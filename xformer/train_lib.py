@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.experimental.layout import Format, Layout
 
 from xformer import config as config_lib
@@ -329,7 +330,9 @@ def stop_reason(
     process that stopped alone would leave the others waiting in a collective."""
     time_up = bool(budget) and budget_seconds >= budget
     if jax.process_count() > 1:  # process 0's clock, at logging steps
-        time_up = not step % log_every and bool(distributed.allgather_flags([time_up])[0, 0])
+        time_up = not step % log_every and bool(
+            multihost_utils.broadcast_one_to_all(np.uint8(time_up))
+        )
     return "signal" if signalled else "max_train_seconds" if time_up else None
 
 
