@@ -6,13 +6,15 @@ numpy computation allows, with its probabilities; temperature 0 is argmax; seeds
 import dataclasses
 import gzip
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_language_modeling import SHARED, run, train_cmd, vocab_dir
+from test_language_modeling import SHARED, run, train_cmd
+from test_train_eval import shared_vocab_dir
 
 from xformer.data.vocab import ByteVocab, CharVocab, WordVocab
 from xformer.generate import (
@@ -352,7 +354,7 @@ def test_sample_py_on_a_tiny_trained_ptb_workdir(tmp_path, tfds_dir):
     assert "generated 3 x 30 tokens in" in result.stdout and "tokens/s" in result.stdout
     assert first["samples"] == again["samples"] and first["tokens"] == again["tokens"]
     assert first["samples"] != other["samples"]
-    vocab = (vocab_dir(tfds_dir) / "ptb.vocab").read_text().split()
+    vocab = (Path(shared_vocab_dir(tfds_dir)) / "ptb.vocab").read_text().split()
     assert np.array(first["tokens"]).shape == (3, 30)
     for text in first["samples"]:
         assert text in result.stdout

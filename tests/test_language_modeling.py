@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_train_eval import shared_vocab_dir
 
 from xformer.config import lm_base_config
 from xformer.data.errors import DataValueError
@@ -169,12 +170,6 @@ def run(args, env_extra=None):
     )
 
 
-def vocab_dir(tfds_dir) -> Path:
-    """Where `train_cmd`'s runs keep the PTB vocabulary and encoded splits (data.vocab_dir):
-    built once per test worker and data directory (~2 s), not once per workdir."""
-    return Path(tfds_dir) / "vocab"
-
-
 def train_cmd(workdir, tfds_dir, *extra):
     flags = [f"--config.{k}={v}" for k, v in TINY.items()]
     return [
@@ -182,7 +177,7 @@ def train_cmd(workdir, tfds_dir, *extra):
         "--config=configs/ptb_xl.py",
         f"--workdir={workdir}",
         f"--config.data.data_dir={tfds_dir}",
-        f"--config.data.vocab_dir={vocab_dir(tfds_dir)}",
+        f"--config.data.vocab_dir={shared_vocab_dir(tfds_dir)}",  # PTB's vocabulary too
         "--config.train.checkpoint_every=3",
         "--config.train.eval_every=1000",
         *flags,
@@ -242,7 +237,7 @@ def test_eval_py_scores_every_token(tmp_path, tfds_dir, ptb):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "eval_input.in.txt.json").read_text())
     words = [w for line in lines for w in line.split()]
-    vocab = set((vocab_dir(tfds_dir) / "ptb.vocab").read_text().split("\n"))
+    vocab = set((Path(shared_vocab_dir(tfds_dir)) / "ptb.vocab").read_text().split("\n"))
     assert report["oov_tokens"] == sum(w not in vocab for w in words) == 4  # newline too
     # An earlier checkpoint's result is named by its step: the latest one's stays.
     result = run(["eval.py", f"--workdir={tmp_path / 'run'}", f"--input={text}", "--step=3"])
