@@ -104,6 +104,19 @@ def outputs(
     return texts
 
 
+def wait_for_stall(
+    marker: Path, procs: list[subprocess.Popen], logs: list[Path], timeout: float = 600
+) -> None:
+    """Until a process has stalled where its fault says (it wrote `marker`; xformer/faults.py);
+    fails if any of `procs` (whose stderr is in `logs`) exits first."""
+    deadline = time.time() + timeout
+    while not marker.exists():
+        for p, log in zip(procs, logs, strict=True):
+            assert p.poll() is None, f"exited {p.returncode} before stalling:\n{log.read_text()}"
+        assert time.time() < deadline, "never stalled"
+        time.sleep(0.05)
+
+
 def processes(args: list[str], count: int, devices: int, logs: Path) -> list[tuple[str, str]]:
     """`launch` and `outputs`: every process must exit with status 0."""
     return outputs(launch(args, count, devices, logs), logs)
@@ -181,10 +194,7 @@ def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi
             logs / "stop",
             fault={1: f"step:2:{marker}"},
         )
-        deadline = time.time() + 600
-        while not marker.exists():
-            assert all(p.poll() is None for p in procs) and time.time() < deadline
-            time.sleep(0.05)
+        wait_for_stall(marker, procs, [logs / "stop" / f"{i}.err" for i in range(count)])
         procs[1].send_signal(signal.SIGTERM)
         stopped = outputs(procs, logs / "stop", status=EXIT_STOPPED)
         for _, err in stopped:

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import jax
@@ -25,7 +24,7 @@ import pytest
 import test_language_modeling as lm
 import test_train_eval as translation
 from jax.experimental import multihost_utils
-from test_distributed import final_params, free_port, metrics
+from test_distributed import final_params, free_port, metrics, wait_for_stall
 from test_grad_accum import ROWS, tiny_task
 from test_language_modeling import ptb  # noqa: F401 (a fixture)
 
@@ -50,22 +49,13 @@ def start(cmd: list[str], log: Path, fault: str | None = None) -> subprocess.Pop
         return subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stderr=f)
 
 
-def wait_for(marker: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    """Until the process has stalled where its fault says (it wrote `marker`)."""
-    deadline = time.time() + timeout
-    while not marker.exists():
-        assert proc.poll() is None, f"exited {proc.returncode} before stalling:\n{log.read_text()}"
-        assert time.time() < deadline, "never stalled"
-        time.sleep(0.05)
-
-
 def kill_at(cmd: list[str], tmp_path: Path, fault: str, sig: int) -> tuple[int, str]:
     """Run `cmd` until it stalls at `fault` ("commit:<step>" or "step:<step>"), send `sig`,
     and return its exit status and log."""
     marker, log = tmp_path / f"stalled-{fault}", tmp_path / f"log-{fault}-{sig}"
     marker.unlink(missing_ok=True)  # (an earlier kill at the same fault wrote it)
     proc = start(cmd, log, f"{fault}:{marker}")
-    wait_for(marker, proc, log)
+    wait_for_stall(marker, [proc], [log], timeout=300)
     proc.send_signal(sig)
     return proc.wait(timeout=300), log.read_text()
 

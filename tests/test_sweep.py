@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from test_distributed import wait_for_stall
 
 from xformer import experiment as experiment_lib
 from xformer import sweep
@@ -614,13 +615,11 @@ def stop_sweep_at_step(path: Path, root: Path, step: int, kill) -> tuple[int, st
     marker = root.parent / f"stalled-{step}"
     env = {**os.environ, "XFORMER_DATA_DIR": str(SHARED), "XFORMER_FAULT": f"step:{step}:{marker}"}
     cmd = [sys.executable, "train.py", f"--sweep={path}", f"--workdir={root}"]
-    with open(root.parent / f"log-{step}", "w+") as log:
+    log_path = root.parent / f"log-{step}"
+    with open(log_path, "w+") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=log, start_new_session=True)
         try:
-            deadline = time.time() + 300
-            while not marker.exists():
-                assert proc.poll() is None and time.time() < deadline, "never stalled"
-                time.sleep(0.05)
+            wait_for_stall(marker, [proc], [log_path], timeout=300)
             kill(proc)
             status = proc.wait(timeout=120)
         finally:
