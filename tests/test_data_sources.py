@@ -4,11 +4,13 @@ text readers (xformer.data.text); no TensorFlow needed."""
 import gzip
 import pickle
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from xformer.data import raw_files, readers
+from xformer.data import raw_files, readers, registry
+from xformer.data.builder_base import BaseBuilder
 from xformer.data.builders import multi30k
 from xformer.data.errors import DataDownloadError, DataFileNotFoundError, DataValueError
 from xformer.data.readers import read_all, translation_source
@@ -151,6 +153,25 @@ def test_builder_keeps_empty_lines_and_strips_only_newlines(tmp_path):
         {"en": "last no newline", "de": "f\u00fcnfte"},
     ]
     assert len(translation_source("multi30k", "train", data_dir=str(tmp_path / "tfds"))) == 1
+
+
+def test_builders_leave_no_temp_folders_and_ask_no_bucket(tmp_path, monkeypatch):
+    """A builder made for an unprepared data_dir: TFDS's DatasetInfo would probe its GCS
+    bucket for the dataset's metadata and leave an empty tmp*tfds folder behind each time."""
+    from tensorflow_datasets.core.utils import gcs_utils
+
+    def no_bucket(name):
+        raise AssertionError(f"asked TFDS's bucket for {name}")
+
+    monkeypatch.setattr(gcs_utils, "gcs_dataset_info_files", no_bucket)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    ours = [n for n, e in registry.DATASETS.items() if issubclass(e.builder_class(), BaseBuilder)]
+    assert {"multi30k", "ptb", "wikitext2"} <= set(ours)
+    for name in ours:
+        builder = registry.make_builder(name, str(tmp_path / "tfds"))
+        assert not builder.data_path.exists()  # unprepared: TFDS went to initialize_from_bucket
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_builder_rejects_mismatched_split(tmp_path):

@@ -61,6 +61,15 @@ class LocalFirst:
         return "Optional. " + self.raw.help()
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+    """The DatasetInfo of a dataset that TFDS's bucket of prepared datasets does not hold."""
+
+    def initialize_from_bucket(self) -> None:
+        # TFDS's version asks gs://tfds-data for this name's metadata whenever a builder is made
+        # for a data_dir not yet prepared, and leaves an empty /tmp/tmp*tfds folder each time.
+        pass
+
+
 class BaseBuilder(LocalFirst, tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """Base of the builders of the registry's datasets.
 
@@ -83,7 +92,7 @@ class BaseBuilder(LocalFirst, tfds.core.GeneratorBasedBuilder, skip_registration
         raise NotImplementedError
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _LocalDatasetInfo(
             builder=self,
             description=inspect.cleandoc(type(self).__doc__ or ""),
             features=tfds.features.FeaturesDict(self._features()),
