@@ -81,14 +81,16 @@ def test_update_n_applies_the_rate_logged_at_step_n(schedule):
     assert float(lr(jnp.asarray(t.warmup_steps))) == pytest.approx(0.01)  # the peak
 
 
-def test_weight_decay_shrinks_weights_and_embeddings_not_biases_or_scales():
+@pytest.mark.parametrize("positional,own", [("relative", {"u", "v"}), ("t5_bias", {"table"})])
+def test_weight_decay_shrinks_weights_and_embeddings_not_biases_or_scales(positional, own):
     """A zero gradient leaves Adam's step at 0, so one AdamW update is the decay alone:
     p * (1 - rate * weight_decay) for weights and embeddings, nothing for biases, layer-norm
-    scales and Transformer-XL's u and v."""
+    scales, Transformer-XL's u and v and T5's table of attention-logit biases."""
     config = config_lib.lm_base_config("ptb")
     config_lib.override(
         config,
         {
+            "model.positional": positional,
             "model.d_model": 16,
             "model.num_heads": 2,
             "model.d_ff": 24,
@@ -112,9 +114,9 @@ def test_weight_decay_shrinks_weights_and_embeddings_not_biases_or_scales():
     for path, p in jax.tree.leaves_with_path(params):
         name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
         seen.add(name)
-        want = 0 * p if name in {"bias", "scale", "u", "v"} else -0.5 * 0.1 * p
+        want = 0 * p if name in {"bias", "scale", *own} else -0.5 * 0.1 * p
         np.testing.assert_allclose(updates[path], want, rtol=1e-6, err_msg=str(path))
-    assert {"kernel", "bias", "scale", "u", "v"} <= seen  # and the embedding tables, 0, 1, ...
+    assert {"kernel", "bias", "scale", *own} <= seen  # and the embedding tables, 0, 1, ...
 
 
 @pytest.mark.parametrize("init_std", [0.0, 0.02])

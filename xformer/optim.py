@@ -31,9 +31,10 @@ def learning_rate_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
     )
 
 
-# Parameters weight decay leaves alone: biases (XL's position biases u and v, the adaptive
-# softmax's cluster bias) and normalisation scales; it decays weights and embedding tables.
-NO_DECAY = frozenset({"bias", "scale", "u", "v", "cluster_bias"})
+# Parameters weight decay leaves alone: biases (XL's position biases u and v, T5's bucket
+# table of attention-logit biases, the adaptive softmax's cluster bias) and normalisation
+# scales; it decays weights and embedding tables (a learned position table's leaf is "embedding").
+NO_DECAY = frozenset({"bias", "scale", "u", "v", "table", "cluster_bias"})
 
 
 def decay_mask(params: Any) -> Any:
