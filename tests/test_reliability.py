@@ -607,14 +607,23 @@ def test_a_workdir_from_an_older_version_resumes(tmp_path):
 @pytest.mark.usefixtures("multi30k_dir")
 def test_validation_passes_do_not_spend_the_time_budget(tmp_path, tfds_dir):
     """The budget counts the loop's wall time without its validation passes: with passes far
-    slower than this tiny model's steps, the seconds they took exceed the budget spent."""
+    slower than this tiny model's steps, the seconds they took exceed the budget spent.
+    Training rows: every log_every (3) steps and at every checkpoint (2, 4), so that a run
+    resumed from a checkpoint has logged every step before it; the checkpoint keeps its row."""
     workdir = tmp_path / "run"
     flags = ["--config.train.num_steps=4", "--config.train.eval_every=2"]
+    flags += ["--config.train.log_every=3", "--config.train.checkpoint_every=2"]
     done = translation.run(translation.train_cmd(workdir, tfds_dir, *flags))
     assert done.returncode == 0, done.stderr[-3000:]
     progress = json.loads((workdir / "checkpoints" / "4" / "progress" / "metadata").read_text())
     assert progress["eval_seconds"] > progress["budget_seconds"] > 0
     assert len(re.findall(r"eval \S+ at step [24]:", done.stderr)) == 2
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = {r["step"]: r for r in rows if "train/loss" in r}
+    assert list(train_rows) == [2, 3, 4]
+    assert {f"train/{k}": v for k, v in progress["metrics"].items()} == {
+        k: v for k, v in train_rows[4].items() if k.startswith("train/")
+    }
 
     # The same run's provenance (tests/test_provenance.py checks the pieces).
     info = json.loads((workdir / "run_info.json").read_text())

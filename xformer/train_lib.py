@@ -646,7 +646,9 @@ def train_and_evaluate(
 
             if step % t.log_every == 0 or checkpoint_due:  # waits for the device
                 nonfinite.check(pending, step, exp.checkpointer.latest_step())
-            if step % t.log_every == 0 or done:
+            # A row at every checkpoint too: a resumed run's first row then starts after it,
+            # and no step between the last row and the checkpoint goes unlogged.
+            if step % t.log_every == 0 or checkpoint_due:
                 sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)
                 train_seconds = clock.seconds()
                 dt = train_seconds - interval_start
