@@ -1,6 +1,8 @@
 """BLEU conventions: the lowercased Moses pipeline reproduces upstream Multi30k tok files."""
 
 import gzip
+import math
+from collections import Counter
 
 import pytest
 import sacrebleu
@@ -31,12 +33,13 @@ def test_bleu_report_values(multi30k_dir):
     lowered = bleu_report([r.lower() for r in refs], refs, "de")
     assert lowered.lc_tok_bleu == pytest.approx(100.0)
     assert lowered.sacrebleu < 90
-    # The lc-tok metric equals sacreBLEU with no tokenization on upstream-tokenized text.
+    # The lc-tok metric equals unsmoothed sacreBLEU with no tokenization on tokenized text.
     hyps = refs[1:] + refs[:1]
     tok = sacrebleu.corpus_bleu(
         [moses_lc_tok(h, "de") for h in hyps],
         [[moses_lc_tok(r, "de") for r in refs]],
         tokenize="none",
+        smooth_method="none",
     )
     assert bleu_report(hyps, refs, "de").lc_tok_bleu == pytest.approx(tok.score)
     # Hypotheses and references in their places: short hypotheses score lower than the
@@ -48,7 +51,7 @@ def test_bleu_report_values(multi30k_dir):
     # lc-tok against the upstream tokenized references (not our own tokenization of them).
     upstream = _lines(multi30k_dir / "tok" / "val.lc.norm.tok.de.gz")[:200]
     lc_tok = sacrebleu.corpus_bleu(
-        [moses_lc_tok(h, "de") for h in short], [upstream], tokenize="none"
+        [moses_lc_tok(h, "de") for h in short], [upstream], tokenize="none", smooth_method="none"
     )
     assert report.lc_tok_bleu == pytest.approx(lc_tok.score)
     assert (
@@ -60,3 +63,36 @@ def test_bleu_report_values(multi30k_dir):
     )
     with pytest.raises(ValueError, match="hypotheses"):
         bleu_report(refs[:3], refs, "de")
+
+
+def multi_bleu(hypotheses: list[str], references: list[str]) -> float:
+    """multi-bleu.perl's corpus BLEU with one reference, written out: clipped n-gram matches
+    of orders 1-4, the brevity penalty, and log(0) taken as -9999999999 (no smoothing)."""
+    correct, total, hyp_len, ref_len = [0] * 4, [0] * 4, 0, 0
+    for hyp, ref in zip(hypotheses, references, strict=True):
+        h, r = hyp.split(), ref.split()
+        hyp_len, ref_len = hyp_len + len(h), ref_len + len(r)
+        for n in range(1, 5):
+            grams = Counter(tuple(h[i : i + n]) for i in range(len(h) - n + 1))
+            ref_grams = Counter(tuple(r[i : i + n]) for i in range(len(r) - n + 1))
+            total[n - 1] += sum(grams.values())
+            correct[n - 1] += sum(min(c, ref_grams[g]) for g, c in grams.items())
+    pairs = zip(correct, total, strict=True)
+    logs = [math.log(c / t) if t and c else -9999999999 for c, t in pairs]
+    brevity = 1.0 if hyp_len >= ref_len else math.exp(1 - ref_len / hyp_len)
+    return 100 * brevity * math.exp(sum(logs) / 4)
+
+
+def test_lc_tok_bleu_is_multi_bleu(multi30k_dir):
+    """lc-tok BLEU equals multi-bleu.perl on the tokenized lines, also where an n-gram order has
+    no match at all (sacreBLEU's default exp smoothing would score that above 0)."""
+    refs = _lines(multi30k_dir / "raw" / "val.de.gz")[:150]
+    tok_refs = [moses_lc_tok(r, "de") for r in refs]
+    shuffled = refs[3:] + refs[:3]
+    halves = [" ".join(r.split()[: len(r.split()) // 2 + 1]) for r in refs]
+    no_bigrams = [" qqq ".join(r.split()) for r in refs]  # every bigram holds qqq
+    for hyps in (shuffled, halves, no_bigrams):
+        want = multi_bleu([moses_lc_tok(h, "de") for h in hyps], tok_refs)
+        assert bleu_report(hyps, refs, "de").lc_tok_bleu == pytest.approx(want, rel=1e-9)
+    assert bleu_report(no_bigrams, refs, "de").lc_tok_bleu == 0.0
+    assert 0 < multi_bleu([moses_lc_tok(h, "de") for h in halves], tok_refs) < 100

@@ -45,7 +45,8 @@ def bleu_report(hypotheses: list[str], references: list[str], lang: str) -> Bleu
         raise ValueError(f"{len(hypotheses)} hypotheses vs {len(references)} references")
     metric = sacrebleu.BLEU()
     cased = metric.corpus_score(hypotheses, [references])
-    tok = sacrebleu.BLEU(tokenize="none", force=True).corpus_score(
+    # multi-bleu.perl has no smoothing: an n-gram order without matches makes BLEU 0.
+    tok = sacrebleu.BLEU(tokenize="none", smooth_method="none", force=True).corpus_score(
         [moses_lc_tok(h, lang) for h in hypotheses],
         [[moses_lc_tok(r, lang) for r in references]],
     )
