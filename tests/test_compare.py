@@ -417,3 +417,64 @@ def test_an_averaged_workdir_is_named_for_what_it_averaged(tmp_path):
         f"run_avg2: the average of checkpoints [50, 100] of {source} (average.py): no training "
         "or validation rows of its own"
     ]
+
+
+def test_seed_groups_keep_averaged_runs_apart_and_count_what_is_not_finite(tmp_path):
+    """An average.py workdir is not one more seed of the runs it averaged; a diverged seed's inf
+    perplexity makes its group's mean inf (no deviation; before, the table crashed on it and
+    left compare.md empty), a nan mean is never the best; notes name a group whose runs stopped
+    at different steps."""
+    rng = np.random.default_rng()
+    tests = {  # positional scheme -> (steps, test perplexity) per seed
+        "relative": [(750, 140.0 + rng.uniform()), (750, 142.0 + rng.uniform())],
+        "rope": [(750, 130.0), (750, float("inf"))],
+        "alibi": [(750, float("nan")), (300, 90.0)],
+    }
+    workdirs = []
+    for scheme, runs in tests.items():
+        for seed, (steps, perplexity) in enumerate(runs):
+            c = lm_base_config("ptb")
+            c.model.positional, c.train.seed = scheme, seed
+            rows = [train_row(steps, 10.0)]
+            test = {"step": steps, "metric": "perplexity", "perplexity": perplexity}
+            workdirs.append(make_run(tmp_path / f"{scheme}_s{seed}", c, rows, test=test))
+    averaged_perplexity = 120.0 + rng.uniform()
+    config = lm_base_config("ptb")  # relative_s0's
+    config.model.positional, config.train.seed = "relative", 0
+    averaged = tmp_path / "relative_s0.avg2"
+    make_run(
+        averaged,
+        config,
+        [],
+        test={"step": 750, "metric": "perplexity", "perplexity": averaged_perplexity},
+    )
+    (averaged / "averaged.json").write_text(
+        json.dumps({"source": workdirs[0], "averaged_steps": [700, 750]})
+    )
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "compare.md").write_text("an earlier report\n")
+    result = compare.compare([*workdirs, str(averaged)])
+    groups = compare.seed_groups(result)
+    column = "test_perplexity"
+    assert [(g.config["model.positional"], g.config["averaged"]) for g in groups] == [
+        ("relative", "no"),
+        ("rope", "no"),
+        ("alibi", "no"),
+        ("relative", "2 checkpoints"),
+    ]
+    relative, rope, alibi, average = groups
+    values = [p for _, p in tests["relative"]]
+    assert relative.stats[column] == pytest.approx((np.mean(values), np.std(values, ddof=1), 2))
+    assert average.stats[column] == (averaged_perplexity, None, 1)
+    assert rope.stats[column] == (float("inf"), None, 2)
+    assert np.isnan(alibi.stats[column][0]) and column not in alibi.best
+    assert [g.best.get(column) for g in (relative, rope, average)] == [False, False, True]
+    assert alibi.notes == [
+        "the runs alibi_s0, alibi_s1 stopped at different steps (alibi_s0 750, alibi_s1 300): "
+        "their mean mixes them"
+    ]
+    assert relative.notes == rope.notes == average.notes == []
+    paths = compare.write(result, str(tmp_path / "out"))
+    markdown = Path(paths["md"]).read_text()
+    assert "| rope | no | 2 | " in markdown and "inf (n=2)" in markdown
+    assert "nan (n=2)" in markdown and "stopped at different steps" in markdown

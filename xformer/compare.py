@@ -239,6 +239,7 @@ class SeedGroup:
     stats: dict[str, tuple[float, float | None, int]]  # column -> (mean, std, n)
     best: dict[str, bool] = dataclasses.field(default_factory=dict)
     within_noise: dict[str, bool] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)  # printed under the table
 
 
 def compare(workdirs: Sequence[str]) -> Comparison:
@@ -323,14 +324,23 @@ SEED_KEY = "train.seed"
 
 def seed_groups(comparison: Comparison) -> list[SeedGroup]:
     """The runs grouped by their config apart from train.seed ([] when no seeds differ), in
-    order of first appearance, with the statistics of SeedGroup."""
+    order of first appearance, with the statistics of SeedGroup. average.py workdirs form
+    groups of their own ("averaged": how many checkpoints each averaged), apart from the runs
+    they average. A non-finite value (a diverged run's perplexity) makes its group's mean inf
+    or nan, without a deviation; a nan mean is never the best. Notes name a group's runs that
+    stopped at different steps, and seeds that appear twice in a group."""
     if SEED_KEY not in comparison.differing:
         return []
     keys = [k for k in comparison.differing if k != SEED_KEY]
     index = {c: i for i, c in enumerate(comparison.columns)}
+    averaged = [
+        f"{len(run.averaged['averaged_steps'])} checkpoints" if run.averaged else "no"
+        for run in comparison.runs
+    ]
     grouped: dict[str, list[int]] = {}
     for i, row in enumerate(comparison.rows):
-        grouped.setdefault(json.dumps([row[index[k]] for k in keys], default=str), []).append(i)
+        key = json.dumps([*(row[index[k]] for k in keys), averaged[i]], default=str)
+        grouped.setdefault(key, []).append(i)
     groups = []
     for members in grouped.values():
         stats = {}
@@ -338,13 +348,18 @@ def seed_groups(comparison: Comparison) -> list[SeedGroup]:
             values = [comparison.rows[i][index[column]] for i in members]
             values = [float(v) for v in values if v is not None]
             if values:
-                std = statistics.stdev(values) if len(values) > 1 else None
-                stats[column] = (statistics.fmean(values), std, len(values))
+                finite = all(math.isfinite(v) for v in values)
+                mean = statistics.fmean(values) if finite else sum(values) / len(values)
+                std = statistics.stdev(values) if finite and len(values) > 1 else None
+                stats[column] = (mean, std, len(values))
         first = comparison.rows[members[0]]
         config = {k: first[index[k]] for k in keys}
-        groups.append(SeedGroup(config, [comparison.names[i] for i in members], stats))
+        if any(a != "no" for a in averaged):
+            config["averaged"] = averaged[members[0]]
+        names = [comparison.names[i] for i in members]
+        groups.append(SeedGroup(config, names, stats, notes=_group_notes(comparison, members)))
     for column, metric in comparison.metric_columns.items():
-        scored = [g for g in groups if column in g.stats]
+        scored = [g for g in groups if column in g.stats and not math.isnan(g.stats[column][0])]
         if not scored:
             continue
         pick = max if metric.higher_is_better else min
@@ -357,6 +372,23 @@ def seed_groups(comparison: Comparison) -> list[SeedGroup]:
                 g is not top and len(noise) == 2 and abs(mean - top_mean) < max(noise)
             )
     return groups
+
+
+def _group_notes(comparison: Comparison, members: list[int]) -> list[str]:
+    """What makes a seed group's statistics less than they seem: runs at different steps (one
+    stopped by a time limit, or still training) and a seed counted twice."""
+    names = [comparison.names[i] for i in members]
+    label = ", ".join(names)
+    steps = [comparison.rows[i][comparison.columns.index("steps")] for i in members]
+    notes = []
+    if len(set(steps)) > 1:
+        at = ", ".join(f"{n} {s}" for n, s in zip(names, steps, strict=True))
+        notes.append(f"the runs {label} stopped at different steps ({at}): their mean mixes them")
+    seeds = [comparison.runs[i].config.get(SEED_KEY) for i in members]
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1}, key=str)
+    if repeated:
+        notes.append(f"the runs {label} repeat seed(s) {repeated}: n counts runs, not seeds")
+    return notes
 
 
 def _stat_cell(group: SeedGroup, column: str) -> str:
@@ -385,6 +417,7 @@ def seeds_to_markdown(groups: list[SeedGroup], columns: Sequence[str]) -> str:
         "best mean of the column; ≈: within seed noise of it, i.e. the two means differ by "
         "less than the larger of their two standard deviations (needs n ≥ 2 in both)."
     )
+    lines += [f"\n**Note.** {note}" for g in groups for note in g.notes]
     return "\n".join(lines) + "\n"
 
 
@@ -539,17 +572,17 @@ def plot(comparison: Comparison, path: str) -> None:
 def write(comparison: Comparison, out_dir: str) -> dict[str, str]:
     """Write compare.md, compare.csv, compare.png and, when seeds differ, compare_seeds.csv
     into `out_dir`; returns their paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {ext: os.path.join(out_dir, f"compare.{ext}") for ext in ("md", "csv", "png")}
-    with open(paths["md"], "w") as f:
-        f.write(to_markdown(comparison))
-    with open(paths["csv"], "w", newline="") as f:
-        f.write(to_csv(comparison))
+    texts = {"md": to_markdown(comparison), "csv": to_csv(comparison)}  # before any file opens
     groups = seed_groups(comparison)
     if groups:
-        paths["seeds_csv"] = os.path.join(out_dir, "compare_seeds.csv")
-        with open(paths["seeds_csv"], "w", newline="") as f:
-            f.write(seeds_to_csv(groups, list(comparison.metric_columns)))
+        texts["seeds_csv"] = seeds_to_csv(groups, list(comparison.metric_columns))
+    os.makedirs(out_dir, exist_ok=True)
+    names = {"md": "compare.md", "csv": "compare.csv", "seeds_csv": "compare_seeds.csv"}
+    paths = {key: os.path.join(out_dir, names[key]) for key in texts}
+    for key, text in texts.items():
+        with open(paths[key], "w", newline="") as f:
+            f.write(text)
+    paths["png"] = os.path.join(out_dir, "compare.png")
     plot(comparison, paths["png"])
     return paths
 
