@@ -2,7 +2,9 @@
 
 Records are the catalog's: one sentence per record (``{"text": str}``), splits
 ``train`` and ``test``, in the catalog's layout (its sentences are shuffled
-upstream anyway).  Read it with ``xformer.data.readers.read_corpus("lm1b", "test")``.
+upstream anyway).  The catalog's ``test`` is all 50 held-out shards, not the
+benchmark's test set (``news.en.heldout-00000-of-00050``) of published results.
+Read it with ``xformer.data.readers.read_corpus("lm1b", "test")``.
 
 Raw files: the extracted ``1-billion-word-language-modeling-benchmark-r13output/``
 folder or its ``.tar.gz`` in the manual dir (``$XFORMER_DATA_DIR/lm1b``, ...),
