@@ -219,9 +219,9 @@ def test_checkpoint_from_before_progress_restores(tmp_path):
     assert Checkpointer(str(tmp_path)).progress() == {"train_seconds": 1.5}
 
 
-def tiny_experiment(workdir, keep_checkpoints: int = 2, d_ff: int = 32):
-    """A one-layer translation Experiment over 50-token vocabularies, checkpointing in
-    `workdir` (no data, no training)."""
+def tiny_experiment(workdir, keep_checkpoints: int = 2, d_ff: int = 32, layers: int = 1):
+    """A translation Experiment of `layers` + `layers` layers over 50-token vocabularies,
+    checkpointing in `workdir` (no data, no training)."""
     from xformer import config as config_lib
     from xformer import model_config
     from xformer.experiment import setup
@@ -234,8 +234,8 @@ def tiny_experiment(workdir, keep_checkpoints: int = 2, d_ff: int = 32):
             "model.d_model": 16,
             "model.num_heads": 2,
             "model.d_ff": d_ff,
-            "model.num_encoder_layers": 1,
-            "model.num_decoder_layers": 1,
+            "model.num_encoder_layers": layers,
+            "model.num_decoder_layers": layers,
             "train.keep_checkpoints": keep_checkpoints,
         },
     )
@@ -270,6 +270,19 @@ def test_eval_restores_the_parameters_alone(tmp_path):
     message = r"hold 6 arrays of other shapes than this model's \(e.g. params/.*, the model's"
     with pytest.raises(CheckpointShapeError, match=message):  # (FFN kernels, biases)
         restore_params(wider)
+    # Another number of layers: a partial restore would have taken the layers both hold.
+    deeper = tiny_experiment(tmp_path, layers=2)
+    message = r"other arrays than this model's \(\d+ of the model's missing, 0 more; e.g. the "
+    with pytest.raises(CheckpointShapeError, match=message + r"model's params/.*/1/"):
+        restore_params(deeper)
+    with pytest.raises(CheckpointShapeError, match=message):  # a resume checks all the state
+        deeper.checkpointer.restore(deeper.abstract_state())
+    deeper.checkpointer.close()
+    exp.checkpointer.save(8, tiny_experiment(tmp_path / "deep", layers=2).init_state(), {})
+    exp.checkpointer.wait()
+    extra = r"other arrays than this model's \(0 of the model's missing, \d+ more; e.g. params/"
+    with pytest.raises(CheckpointShapeError, match=extra + r".*/1/.* is not in the model"):
+        restore_params(exp)
 
 
 def test_a_resumed_run_restores_onto_shapes_alone(tmp_path, tfds_dir, multi30k_dir, monkeypatch):

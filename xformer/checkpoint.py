@@ -173,11 +173,24 @@ def stored_tree(path: str):
 
 
 def check_shapes(checkpoints: object, step: int, target) -> None:
-    """Raise CheckpointShapeError when an array of `target` is stored in checkpoint `step` with
-    another shape (found from the metadata: a failed restore leaves orbax's threads running)."""
+    """Raise CheckpointShapeError when checkpoint `step` stores an array of `target` with another
+    shape, lacks one, or holds one more under the same top-level keys (another number of layers:
+    orbax's partial restore would take the layers both have). Found from the metadata: a failed
+    restore leaves orbax's threads running."""
     tree = stored_tree(state_dir(checkpoints, step))
     stored, wanted = _leaf_shapes(tree), _leaf_shapes(target)
-    differ = [(p, stored[p], s) for p, s in wanted.items() if p in stored and stored[p] != s]
+    roots = {p[:1] for p in wanted}
+    missing = [p for p in wanted if p not in stored]
+    extra = [p for p in stored if p[:1] in roots and p not in wanted]
+    if missing or extra:
+        examples = [f"the model's {'/'.join(p)} is not stored" for p in missing[:1]]
+        examples += [f"{'/'.join(p)} is not in the model" for p in extra[:1]]
+        raise CheckpointShapeError(
+            f"The checkpoints in {checkpoints} hold other arrays than this model's ({len(missing)} "
+            f"of the model's missing, {len(extra)} more; e.g. {', '.join(examples)}): "
+            f"{SHAPE_CAUSES}"
+        )
+    differ = [(p, stored[p], s) for p, s in wanted.items() if stored[p] != s]
     if differ:
         path, have, want = differ[0]
         raise CheckpointShapeError(
