@@ -76,11 +76,15 @@ def test_interrupted_run_equals_uninterrupted_bit_for_bit(family, tmp_path, tfds
     assert status == -signal.SIGKILL, log[-3000:]
     assert translation.checkpoint_steps(run) == [2]
     assert (run / "checkpoints" / "4.orbax-checkpoint-tmp").is_dir()
-    # SIGTERM after step 5 (resumed from 2): the step finishes, checkpoint 5, status 75.
+    # As if a signal's checkpoint at step 3 had been killed too: a step never saved again.
+    (run / "checkpoints" / "3.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    # SIGTERM after step 5 (resumed from 2): the step finishes, checkpoint 5, status 75; the
+    # unfinished writes are gone.
     status, log = kill_at(cmd, tmp_path, "step:5", signal.SIGTERM)
     assert status == EXIT_STOPPED, log[-3000:]
     assert "resumed from step 2" in log and "stopped by SIGTERM at step 5" in log
     assert translation.checkpoint_steps(run) == [4, 5]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4", "5"]
     # kill -9 between checkpoints (after step 6 ran, before it was saved).
     status, log = kill_at(cmd, tmp_path, "step:6", signal.SIGKILL)
     assert status == -signal.SIGKILL and "resumed from step 5" in log, log[-3000:]

@@ -3,11 +3,13 @@
 import contextlib
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.path import step as ocp_step
 
 from xformer import distributed, faults
 
@@ -43,7 +45,7 @@ class Checkpointer:
     def __init__(self, workdir: str, keep: int = 2):
         # Orbax writes a checkpoint asynchronously into a temporary directory and renames it
         # when complete, so a process killed at any moment leaves no partial checkpoint under a
-        # step's name; a later run ignores (and overwrites) the temporary one.
+        # step's name; a later run ignores the temporary one (train.py removes it).
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, temporary_path_class=faults.checkpoint_path_class()
         )
@@ -56,6 +58,15 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def remove_unfinished_writes(self) -> None:
+        """Delete the temporary directories of writes a killed start left (a signal's checkpoint
+        at an irregular step is never written again to replace its own). For train.py's start
+        on process 0 only: eval.py and sample.py open the checkpoints of runs that may be
+        writing one now."""
+        for name in ocp_step.tmp_checkpoints(self.manager.directory):
+            logging.info("removing %s: a checkpoint write that a killed run left unfinished", name)
+            shutil.rmtree(self.manager.directory / name)
 
     def save(
         self, step: int, state, data_state: dict | None = None, progress: dict | None = None

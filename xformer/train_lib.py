@@ -460,6 +460,8 @@ def train_and_evaluate(
     # A resumed run needs the vocabulary it was trained with: never a new one.
     task = make_task(config, workdir, train_if_missing=not experiment_lib.has_checkpoint(workdir))
     exp = task.exp
+    if jax.process_index() == 0:
+        exp.checkpointer.remove_unfinished_writes()
     t = config.train
     data_iter = task.train_batches()
     task.prepare_evaluation()  # a validation split that cannot be read fails before training
