@@ -3,6 +3,7 @@
     pip install -e ".[bench]"
     python bench/cpu_vs_pytorch.py                 # 5 interleaved rounds, the table, JSON
     python bench/cpu_vs_pytorch.py --profile       # also: xformer's top ops by time
+    python bench/cpu_vs_pytorch.py --torch_fused_adam   # also PyTorch with Adam(fused=True)
 
 Both sides train the same model on the same batch: post-LN encoder-decoder, d_model 256, 4
 heads, 3 + 3 layers, d_ff 1024, vocabulary 8,000 with separate source and target embeddings
@@ -244,7 +245,7 @@ class XformerStep:
 class TorchStep:
     """The same model and step in PyTorch (imported only here: it is an optional extra)."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, fused_adam: bool = False):
         import torch
         from torch import nn
 
@@ -289,7 +290,9 @@ class TorchStep:
 
         self.torch = torch
         self.model = Seq2Seq().train()
-        self.opt = torch.optim.Adam(self.model.parameters(), LR, betas=(0.9, 0.98), eps=1e-9)
+        self.opt = torch.optim.Adam(  # default: one parameter after another on CPU
+            self.model.parameters(), LR, betas=(0.9, 0.98), eps=1e-9, fused=fused_adam or None
+        )
         self.criterion = nn.CrossEntropyLoss(label_smoothing=LABEL_SMOOTHING)
         batch = make_batch()
         self.src, self.tgt_in, self.tgt_out = (
@@ -388,6 +391,11 @@ def main():
     )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--no_torch", action="store_true", help="xformer only")
+    parser.add_argument(
+        "--torch_fused_adam",
+        action="store_true",
+        help="also time PyTorch with Adam(fused=True) (its fused CPU kernel), as a fourth side",
+    )
     parser.add_argument("--profile", action="store_true", help="rank xformer's XLA ops by time")
     parser.add_argument("--profile_steps", type=int, default=5)
     parser.add_argument("--profile_top", type=int, default=12)
@@ -401,7 +409,8 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         xf, mm = XformerStep(workdir), MatmulsOnly()
         tf = None if args.no_torch else TorchStep(args.threads)
-        sides = {"xformer": xf, "pytorch": tf, "matmuls only": mm}
+        fused = TorchStep(args.threads, fused_adam=True) if args.torch_fused_adam else None
+        sides = {"xformer": xf, "pytorch": tf, "pytorch fused Adam": fused, "matmuls only": mm}
         sides = {name: side for name, side in sides.items() if side is not None}
         for side in sides.values():
             side.run(args.warmup)
@@ -466,6 +475,10 @@ def main():
         result["median_round_ratio"] = statistics.median(
             p / x for x, p in zip(times["xformer"], times["pytorch"], strict=True)
         )
+    if times.get("pytorch fused Adam"):
+        result["ratio_of_medians_fused_adam"] = statistics.median(
+            times["pytorch fused Adam"]
+        ) / statistics.median(times["xformer"])
     result["profile"] = profile
 
     print(
@@ -495,6 +508,11 @@ def main():
         print(
             f"\nxformer / PyTorch tokens/s: {result['ratio_of_medians']:.2f}x (medians), "
             f"{result['median_round_ratio']:.2f}x (median of per-round ratios)"
+        )
+    if "ratio_of_medians_fused_adam" in result:
+        print(
+            f"xformer / PyTorch with fused Adam: {result['ratio_of_medians_fused_adam']:.2f}x "
+            "(medians)"
         )
     if profile:
         print_profile(profile)
