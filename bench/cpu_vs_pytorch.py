@@ -17,12 +17,15 @@ target tokens (no padding; the decoder is causal).
   task's `loss_terms`), fed the batch layout of packed training rows (one pair per row).
 - PyTorch: `nn.Transformer(batch_first=True)` without its final encoder/decoder LayerNorms
   (post-LN stacks need none; xformer has none), `nn.Embedding` x2, `nn.Linear(bias=False)`,
-  `CrossEntropyLoss(label_smoothing=0.1)`, `torch.optim.Adam` (its default implementation),
-  `torch.set_num_threads(--threads)` (default: the cores this process may use) and
-  OMP_WAIT_POLICY=PASSIVE unless the environment sets it: on a machine shared with other
-  processes, OpenMP's default spin-waiting workers lose whole time slices (measured: 11.8 s
-  against 4.3 s per PyTorch step at load average 3.7 on 2 cores). It is set before anything
-  imports torch (tensorboardX, imported by xformer, does).
+  `CrossEntropyLoss(label_smoothing=0.1)`, `torch.optim.Adam` (its default implementation;
+  `--torch_fused_adam` adds Adam(fused=True) as a fourth side), eager mode,
+  `torch.set_num_threads(--threads)` (default: the cores this process may use) and OpenMP's
+  wait policy as the environment sets it (OpenMP's default, as a PyTorch user gets it, unless
+  OMP_WAIT_POLICY is set). On a machine shared with other processes, set
+  OMP_WAIT_POLICY=PASSIVE: OpenMP's default spin-waiting workers lose whole time slices there
+  (measured: 11.8 s against 4.3 s per PyTorch step at load average 3.7 on 2 cores). Until
+  2026-11-29 the benchmark set PASSIVE itself, which slows PyTorch's step on a quiet machine
+  (README); ACTIVE makes torch's idle workers spin through xformer's rounds.
 
 After one warm-up (compilation) and `--warmup` steps of each, the heap is grown by
 `--heap_reserve_gib` GiB of touched memory, freed again, and `--warmup_rounds` untimed rounds
@@ -72,7 +75,6 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch's OpenMP starts (docstring)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
