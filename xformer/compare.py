@@ -357,7 +357,8 @@ def seed_groups(comparison: Comparison) -> list[SeedGroup]:
         if any(a != "no" for a in averaged):
             config["averaged"] = averaged[members[0]]
         names = [comparison.names[i] for i in members]
-        groups.append(SeedGroup(config, names, stats, notes=_group_notes(comparison, members)))
+        notes = _group_notes(comparison, members, names)
+        groups.append(SeedGroup(config, names, stats, notes=notes))
     for column, metric in comparison.metric_columns.items():
         scored = [g for g in groups if column in g.stats and not math.isnan(g.stats[column][0])]
         if not scored:
@@ -374,10 +375,10 @@ def seed_groups(comparison: Comparison) -> list[SeedGroup]:
     return groups
 
 
-def _group_notes(comparison: Comparison, members: list[int]) -> list[str]:
-    """What makes a seed group's statistics less than they seem: runs at different steps (one
-    stopped by a time limit, or still training) and a seed counted twice."""
-    names = [comparison.names[i] for i in members]
+def _group_notes(comparison: Comparison, members: list[int], names: list[str]) -> list[str]:
+    """What makes a seed group's statistics (its runs `members`, named `names`) less than they
+    seem: runs at different steps (one stopped by a time limit, or still training) and a seed
+    counted twice."""
     label = ", ".join(names)
     steps = [comparison.rows[i][comparison.columns.index("steps")] for i in members]
     notes = []

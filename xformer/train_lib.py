@@ -646,11 +646,10 @@ def train_and_evaluate(
             if not done:
                 batch = global_batch(next(data_iter))  # host work overlaps the async device step
 
-            if step % t.log_every == 0 or checkpoint_due:  # waits for the device
-                nonfinite.check(pending, step, exp.checkpointer.latest_step())
             # A row at every checkpoint too: a resumed run's first row then starts after it,
             # and no step between the last row and the checkpoint goes unlogged.
             if step % t.log_every == 0 or checkpoint_due:
+                nonfinite.check(pending, step, exp.checkpointer.latest_step())  # (device sync)
                 sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *pending)
                 train_seconds = clock.seconds()
                 dt = train_seconds - interval_start
