@@ -11,6 +11,7 @@ run, its time budget spans resumes, and write failures are one clear error.
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from test_language_modeling import ptb  # noqa: F401 (a fixture)
 from xformer import config as config_lib
 from xformer import experiment as experiment_lib
 from xformer import faults, train_lib
-from xformer.checkpoint import Checkpointer
+from xformer.checkpoint import Checkpointer, state_dir, stored_tree
 from xformer.preemption import EXIT_STOPPED
 from xformer.train_lib import train_step
 
@@ -551,6 +552,39 @@ def test_unwritable_workdir_is_refused(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="is not writable"):
         experiment_lib.check_workdir(config, str(blocker / "run"), accept_changes=False)
+
+
+def test_a_dropped_checkpoint_leaves_its_step_whole_before_it_is_deleted(tmp_path, monkeypatch):
+    """orbax deletes a dropped checkpoint's files under its step's name, so a kill half way
+    left a partial checkpoint that every later reader listed (and failed on). Now the step
+    leaves in one rename, into checkpoints/deleted/, and only then are its files deleted; a
+    partial checkpoint (from an earlier version) is named in the error of whoever reads it."""
+    checkpoints = tmp_path / "checkpoints"
+    seen = []  # at each deletion: the checkpoints directory, and the deleted steps' arrays
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        steps = sorted(os.listdir(path))
+        shapes = [stored_tree(state_dir(path, step))["w"].shape for step in steps]
+        seen.append((sorted(os.listdir(checkpoints)), steps, shapes))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    rng = np.random.default_rng()
+    states = {step: {"w": jnp.asarray(rng.normal(size=(3, 4)))} for step in (1, 2, 3)}
+    checkpointer = Checkpointer(str(tmp_path), keep=2)
+    for step, state in states.items():
+        checkpointer.save(step, state)
+        checkpointer.wait()
+    checkpointer.close()
+    assert seen == [(["2", "3", "deleted"], ["1"], [(3, 4)])]
+    assert sorted(os.listdir(checkpoints)) == ["2", "3"]
+    restored, _ = Checkpointer(str(tmp_path)).restore(states[3])
+    np.testing.assert_array_equal(restored["w"], states[3]["w"])
+
+    (checkpoints / "2" / "state" / "_METADATA").unlink()
+    with pytest.raises(FileNotFoundError, match=r"incomplete .*; remove .*checkpoints/2$"):
+        Checkpointer(str(tmp_path)).restore(states[2], step=2)
 
 
 def test_failed_checkpoint_write_is_one_clear_error(tmp_path):

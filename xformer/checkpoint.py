@@ -13,6 +13,8 @@ from orbax.checkpoint.path import step as ocp_step
 
 from xformer import distributed, faults
 
+TRASH = "deleted"  # under <workdir>/checkpoints: checkpoints dropped, being deleted
+
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (its temporary directory is never committed)."""
@@ -44,10 +46,15 @@ class Checkpointer:
 
     def __init__(self, workdir: str, keep: int = 2):
         # Orbax writes a checkpoint asynchronously into a temporary directory and renames it
-        # when complete, so a process killed at any moment leaves no partial checkpoint under a
-        # step's name; a later run ignores the temporary one (train.py removes it).
+        # when complete, and renames the oldest one into TRASH before it is deleted (orbax's
+        # own deletion removes files one by one under the step's name), so a process killed at
+        # any moment leaves no partial checkpoint under a step's name. A later run ignores the
+        # leftovers (train.py removes them).
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, temporary_path_class=faults.checkpoint_path_class()
+            max_to_keep=keep,
+            create=True,
+            temporary_path_class=faults.checkpoint_path_class(),
+            todelete_subdir=TRASH,
         )
         self.manager = _CheckpointManager(
             os.path.join(os.path.abspath(workdir), "checkpoints"),
@@ -61,12 +68,19 @@ class Checkpointer:
 
     def remove_unfinished_writes(self) -> None:
         """Delete the temporary directories of writes a killed start left (a signal's checkpoint
-        at an irregular step is never written again to replace its own). For train.py's start
-        on process 0 only: eval.py and sample.py open the checkpoints of runs that may be
-        writing one now."""
+        at an irregular step is never written again to replace its own) and the checkpoints it
+        was deleting. For train.py's start on process 0 only: eval.py and sample.py open the
+        checkpoints of runs that may be writing one now."""
         for name in ocp_step.tmp_checkpoints(self.manager.directory):
             logging.info("removing %s: a checkpoint write that a killed run left unfinished", name)
             shutil.rmtree(self.manager.directory / name)
+        self._empty_trash()
+
+    def _empty_trash(self) -> None:
+        """Delete the checkpoints orbax dropped (renamed into TRASH: they are no steps)."""
+        trash = self.manager.directory / TRASH
+        if jax.process_index() == 0 and trash.exists():
+            shutil.rmtree(trash)
 
     def save(
         self, step: int, state, data_state: dict | None = None, progress: dict | None = None
@@ -91,6 +105,7 @@ class Checkpointer:
             with self._write_errors():
                 self.manager.wait_until_finished()
             self._writing = None
+            self._empty_trash()  # a committed save drops the oldest checkpoint
 
     @contextlib.contextmanager
     def _write_errors(self) -> Iterator[None]:
@@ -178,9 +193,15 @@ def stored_tree(path: str):
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)
     try:
-        return ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+        metadata = ocp.PyTreeCheckpointer().metadata(path).item_metadata
     finally:
         absl_logger.setLevel(level)
+    if metadata is None:
+        raise FileNotFoundError(
+            f"{path} holds no array metadata: this checkpoint is incomplete (a copy or deletion "
+            f"of it was interrupted?); remove {os.path.dirname(os.path.normpath(path))}"
+        )
+    return metadata.tree
 
 
 def check_shapes(checkpoints: object, step: int, target) -> None:
