@@ -6,6 +6,7 @@ to mix families or metrics."""
 import csv
 import io
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +108,17 @@ def test_translation_best_bleu_is_the_highest(tmp_path):
     paths = compare.write(result, str(out))
     assert Path(paths["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "compare.md").read_text() == markdown
+
+
+def test_runs_without_validation_rows_are_plotted_without_a_warning(tmp_path):
+    """Runs stopped before their first validation: compare.png says so (matplotlib warned of a
+    legend without lines)."""
+    runs = [make_run(tmp_path / n, translation_config(), [train_row(50, 5.0)]) for n in "ab"]
+    result = compare.compare(runs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = compare.write(result, str(tmp_path / "out"))
+    assert Path(paths["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_language_model_best_is_the_lowest_and_time_is_the_last_logged(tmp_path):

@@ -561,7 +561,11 @@ def plot(comparison: Comparison, path: str) -> None:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{split} {metric.name}")
         ax.grid(alpha=0.3)
-    by_step.legend(fontsize="small")  # every run has steps; older runs lack times
+    if any(curves):
+        by_step.legend(fontsize="small")  # every run has steps; older runs lack times
+    else:  # runs stopped before their first validation
+        for ax in (by_step, by_time):
+            ax.text(0.5, 0.5, f"no {split} rows yet", ha="center", transform=ax.transAxes)
     fig.suptitle(
         f"{split} {metric.name} ({'higher' if metric.higher_is_better else 'lower'} is better)"
     )
