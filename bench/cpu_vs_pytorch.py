@@ -4,6 +4,7 @@
     python bench/cpu_vs_pytorch.py                 # 5 interleaved rounds, the table, JSON
     python bench/cpu_vs_pytorch.py --profile       # also: xformer's top ops by time
     python bench/cpu_vs_pytorch.py --torch_fused_adam   # also PyTorch with Adam(fused=True)
+    python bench/cpu_vs_pytorch.py --torch_compile      # also torch.compile + fused Adam
 
 Both sides train the same model on the same batch: post-LN encoder-decoder, d_model 256, 4
 heads, 3 + 3 layers, d_ff 1024, vocabulary 8,000 with separate source and target embeddings
@@ -18,7 +19,9 @@ target tokens (no padding; the decoder is causal).
 - PyTorch: `nn.Transformer(batch_first=True)` without its final encoder/decoder LayerNorms
   (post-LN stacks need none; xformer has none), `nn.Embedding` x2, `nn.Linear(bias=False)`,
   `CrossEntropyLoss(label_smoothing=0.1)`, `torch.optim.Adam` (its default implementation;
-  `--torch_fused_adam` adds Adam(fused=True) as a fourth side), eager mode,
+  `--torch_fused_adam` adds Adam(fused=True) as a fourth side), eager mode (`--torch_compile`
+  adds a side with `torch.compile` (inductor's C++ kernels; a C++ compiler is needed) over the
+  model and its loss, with Adam(fused=True)),
   `torch.set_num_threads(--threads)` (default: the cores this process may use) and OpenMP's
   wait policy as the environment sets it (OpenMP's default, as a PyTorch user gets it, unless
   OMP_WAIT_POLICY is set). On a machine shared with other processes, set
@@ -247,7 +250,7 @@ class XformerStep:
 class TorchStep:
     """The same model and step in PyTorch (imported only here: it is an optional extra)."""
 
-    def __init__(self, threads: int, fused_adam: bool = False):
+    def __init__(self, threads: int, fused_adam: bool = False, compiled: bool = False):
         import torch
         from torch import nn
 
@@ -296,16 +299,20 @@ class TorchStep:
             self.model.parameters(), LR, betas=(0.9, 0.98), eps=1e-9, fused=fused_adam or None
         )
         self.criterion = nn.CrossEntropyLoss(label_smoothing=LABEL_SMOOTHING)
+        self.loss = torch.compile(self._loss) if compiled else self._loss  # inductor: C++ kernels
         batch = make_batch()
         self.src, self.tgt_in, self.tgt_out = (
             torch.from_numpy(batch[k]).long() for k in ("src", "tgt_in", "tgt_out")
         )
         self.version = torch.__version__
 
+    def _loss(self, src, tgt_in, tgt_out):
+        logits = self.model(src, tgt_in)
+        return self.criterion(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1))
+
     def step(self):
         self.opt.zero_grad(set_to_none=True)
-        logits = self.model(self.src, self.tgt_in)
-        loss = self.criterion(logits.reshape(-1, logits.shape[-1]), self.tgt_out.reshape(-1))
+        loss = self.loss(self.src, self.tgt_in, self.tgt_out)
         loss.backward()
         self.opt.step()
         return loss
@@ -320,6 +327,8 @@ class TorchStep:
             raise FloatingPointError(f"PyTorch loss is {value}")
         return elapsed
 
+
+COMPILED = "pytorch compiled, fused Adam"  # the --torch_compile side
 
 CATEGORIES = (  # first match wins; the names of the README's profile table
     ("matmul: output layer [*, V]", lambda op: op.kind == "matmul" and VOCAB_DIM.search(op.shapes)),
@@ -398,6 +407,12 @@ def main():
         action="store_true",
         help="also time PyTorch with Adam(fused=True) (its fused CPU kernel), as a fourth side",
     )
+    parser.add_argument(
+        "--torch_compile",
+        action="store_true",
+        help="also time PyTorch with torch.compile (inductor) over the model and loss, and "
+        "Adam(fused=True), as another side (compiling takes minutes)",
+    )
     parser.add_argument("--profile", action="store_true", help="rank xformer's XLA ops by time")
     parser.add_argument("--profile_steps", type=int, default=5)
     parser.add_argument("--profile_top", type=int, default=12)
@@ -412,7 +427,16 @@ def main():
         xf, mm = XformerStep(workdir), MatmulsOnly()
         tf = None if args.no_torch else TorchStep(args.threads)
         fused = TorchStep(args.threads, fused_adam=True) if args.torch_fused_adam else None
-        sides = {"xformer": xf, "pytorch": tf, "pytorch fused Adam": fused, "matmuls only": mm}
+        compiled = (
+            TorchStep(args.threads, fused_adam=True, compiled=True) if args.torch_compile else None
+        )
+        sides = {
+            "xformer": xf,
+            "pytorch": tf,
+            "pytorch fused Adam": fused,
+            COMPILED: compiled,
+            "matmuls only": mm,
+        }
         sides = {name: side for name, side in sides.items() if side is not None}
         for side in sides.values():
             side.run(args.warmup)
@@ -481,6 +505,10 @@ def main():
         result["ratio_of_medians_fused_adam"] = statistics.median(
             times["pytorch fused Adam"]
         ) / statistics.median(times["xformer"])
+    if times.get(COMPILED):
+        result["ratio_of_medians_compiled"] = statistics.median(
+            times[COMPILED]
+        ) / statistics.median(times["xformer"])
     result["profile"] = profile
 
     print(
@@ -515,6 +543,11 @@ def main():
         print(
             f"xformer / PyTorch with fused Adam: {result['ratio_of_medians_fused_adam']:.2f}x "
             "(medians)"
+        )
+    if "ratio_of_medians_compiled" in result:
+        print(
+            f"xformer / PyTorch compiled with fused Adam: "
+            f"{result['ratio_of_medians_compiled']:.2f}x (medians)"
         )
     if profile:
         print_profile(profile)
