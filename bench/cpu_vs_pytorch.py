@@ -231,7 +231,7 @@ class XformerStep:
         self.rng_state = jax.device_put(exp.rng_state, exp.replicated)
         self.batch = jax.device_put(make_batch(), exp.batch_sharding)
         lowered = train_lib.lower_train_step(task, self.state, self.rng_state, self.batch, "cpu")
-        self.compiled = lowered.compile()
+        self.compiled = train_lib.compile_step(lowered, "cpu")  # as train.py compiles it
         self.flops = float((self.compiled.cost_analysis() or {}).get("flops", 0.0))
         self.metrics = None
 
