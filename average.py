@@ -71,10 +71,12 @@ def main(argv):
     step_dtype = task.exp.abstract_state()["step"].dtype
     state = {"step": jnp.asarray(steps[-1], step_dtype), "params": params}
     info = {"source": os.path.abspath(source), "averaged_steps": steps}
+    # The marker first: killed before the checkpoint is written, the output is no workdir that
+    # train.py would take for a run to resume (it refuses averaged workdirs).
+    write_json(os.path.join(output, experiment_lib.AVERAGED_FILE), info)
     checkpointer = Checkpointer(output, keep=1)
     checkpointer.save(steps[-1], state, progress=info)
     checkpointer.close()
-    write_json(os.path.join(output, experiment_lib.AVERAGED_FILE), info)
     logging.info("wrote the average of checkpoints %s of %s to %s", steps, source, output)
     print(f"averaged checkpoints {steps} of {source} into {output}")
 
