@@ -329,6 +329,10 @@ class TorchStep:
 
 
 COMPILED = "pytorch compiled, fused Adam"  # the --torch_compile side
+OTHER_TORCH_SIDES = {  # side -> (its ratio's JSON key, its label in the printed ratio)
+    "pytorch fused Adam": ("ratio_of_medians_fused_adam", "with fused Adam"),
+    COMPILED: ("ratio_of_medians_compiled", "compiled with fused Adam"),
+}
 
 CATEGORIES = (  # first match wins; the names of the README's profile table
     ("matmul: output layer [*, V]", lambda op: op.kind == "matmul" and VOCAB_DIM.search(op.shapes)),
@@ -501,14 +505,9 @@ def main():
         result["median_round_ratio"] = statistics.median(
             p / x for x, p in zip(times["xformer"], times["pytorch"], strict=True)
         )
-    if times.get("pytorch fused Adam"):
-        result["ratio_of_medians_fused_adam"] = statistics.median(
-            times["pytorch fused Adam"]
-        ) / statistics.median(times["xformer"])
-    if times.get(COMPILED):
-        result["ratio_of_medians_compiled"] = statistics.median(
-            times[COMPILED]
-        ) / statistics.median(times["xformer"])
+    for side, (key, _) in OTHER_TORCH_SIDES.items():
+        if times.get(side):
+            result[key] = statistics.median(times[side]) / statistics.median(times["xformer"])
     result["profile"] = profile
 
     print(
@@ -539,16 +538,9 @@ def main():
             f"\nxformer / PyTorch tokens/s: {result['ratio_of_medians']:.2f}x (medians), "
             f"{result['median_round_ratio']:.2f}x (median of per-round ratios)"
         )
-    if "ratio_of_medians_fused_adam" in result:
-        print(
-            f"xformer / PyTorch with fused Adam: {result['ratio_of_medians_fused_adam']:.2f}x "
-            "(medians)"
-        )
-    if "ratio_of_medians_compiled" in result:
-        print(
-            f"xformer / PyTorch compiled with fused Adam: "
-            f"{result['ratio_of_medians_compiled']:.2f}x (medians)"
-        )
+    for key, label in OTHER_TORCH_SIDES.values():
+        if key in result:
+            print(f"xformer / PyTorch {label}: {result[key]:.2f}x (medians)")
     if profile:
         print_profile(profile)
     print("\n" + json.dumps(result))

@@ -348,10 +348,9 @@ def seed_groups(comparison: Comparison) -> list[SeedGroup]:
             values = [comparison.rows[i][index[column]] for i in members]
             values = [float(v) for v in values if v is not None]
             if values:
-                finite = all(math.isfinite(v) for v in values)
-                mean = statistics.fmean(values) if finite else sum(values) / len(values)
+                finite = all(math.isfinite(v) for v in values)  # (stdev fails on inf)
                 std = statistics.stdev(values) if finite and len(values) > 1 else None
-                stats[column] = (mean, std, len(values))
+                stats[column] = (statistics.fmean(values), std, len(values))
         first = comparison.rows[members[0]]
         config = {k: first[index[k]] for k in keys}
         if any(a != "no" for a in averaged):
