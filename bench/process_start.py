@@ -9,11 +9,11 @@ xformer.train_lib` (the scripts' import stack) and `train.py` with a config file
 exist (everything a start does before its first check of the flags, including the
 re-execution with the tuned malloc). With `--other DIR`, the same commands also run with DIR
 first on PYTHONPATH (for example another ml_dtypes), alternating with the installed
-packages. Prints the median wall seconds of each, the versions each side imports, and JSON.
+packages. Prints the median wall seconds of each, then the versions each side imports and
+every time as JSON, also written to `--output`.
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -21,11 +21,14 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = {
-    "import ml_dtypes": ["-c", "import ml_dtypes"],
-    "import jax": ["-c", "import jax"],
-    "import xformer.train_lib": ["-c", "import xformer.train_lib"],
-    "train.py to its flag check": ["train.py", "--config=no/such/config.py", "--workdir=unused"],
+COMMANDS = {  # name: (arguments, the exit status it must end with)
+    "import ml_dtypes": (["-c", "import ml_dtypes"], 0),
+    "import jax": (["-c", "import jax"], 0),
+    "import xformer.train_lib": (["-c", "import xformer.train_lib"], 0),
+    "train.py to its flag check": (
+        ["train.py", "--config=no/such/config.py", "--workdir=unused"],
+        1,  # train.py's one-line error for a config that cannot be loaded
+    ),
 }
 VERSIONS = (
     "import ml_dtypes, numpy, jax; print(ml_dtypes.__version__, numpy.__version__, jax.__version__)"
@@ -39,16 +42,22 @@ def environment(pythonpath: str | None) -> dict[str, str]:
     return env
 
 
-def seconds(args: list[str], env: dict[str, str]) -> float:
+def seconds(args: list[str], status: int, env: dict[str, str]) -> float:
+    """Wall seconds of one fresh process; one that ends otherwise than `status` is an error."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, check=False)
-    return time.perf_counter() - start
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True)
+    elapsed = time.perf_counter() - start
+    if result.returncode != status:
+        tail = result.stderr.decode(errors="replace")[-2000:]
+        raise RuntimeError(f"{args} exited {result.returncode}, not {status}:\n{tail}")
+    return elapsed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--other", help="a directory put first on PYTHONPATH for a second side")
+    parser.add_argument("--output", default="workdirs/process_start.json")
     args = parser.parse_args()
     sides = {"installed": environment(None)}
     if args.other:
@@ -61,9 +70,9 @@ def main() -> None:
         versions[side] = dict(zip(("ml_dtypes", "numpy", "jax"), out.stdout.split(), strict=True))
     times = {side: {name: [] for name in COMMANDS} for side in sides}
     for _ in range(args.repeats):
-        for name, command in COMMANDS.items():
+        for name, (command, status) in COMMANDS.items():
             for side, env in sides.items():  # alternating: the same load for each side
-                times[side][name].append(seconds(command, env))
+                times[side][name].append(seconds(command, status, env))
     python = sys.version.split()[0]
     print(f"median seconds of {args.repeats} fresh processes each (Python {python})")
     heads = [f"{s}: ml_dtypes {v['ml_dtypes']}, numpy {v['numpy']}" for s, v in versions.items()]
@@ -72,8 +81,9 @@ def main() -> None:
     for name in COMMANDS:
         cells = " | ".join(f"{statistics.median(times[s][name]):.2f}" for s in sides)
         print(f"| {name} | {cells} |")
-    command = " ".join(["python", "bench/process_start.py", *sys.argv[1:]])
-    print(json.dumps({"command": command, "versions": versions, "seconds": times}))
+    from bench_output import finish  # here: the timed children need not wait for its imports
+
+    finish({"versions": versions, "seconds": times}, args.output)
 
 
 if __name__ == "__main__":
