@@ -172,13 +172,17 @@ def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
-    # Several processes, preparing their own data directory (process 0 first, behind a
-    # barrier). The first run stops with a checkpoint: translation at its first logging step
+    # Several processes, preparing their own data directory (one process while the others wait
+    # on its lock) but reading the worker's vocabulary: training a fresh SentencePiece model
+    # took process 0 ~11 s (the translation case 106 -> 83 s alone, middle kind, 2026-12-03),
+    # and jobs sharing a missing model are tests/test_tokenizer_cache.py's.
+    # The first run stops with a checkpoint: translation at its first logging step
     # (2) on a spent time budget (process 0's clock decides for all), the language model on a
     # SIGTERM to process 1 alone, sent while it stalls after step 2 (process 0 waits for it at
     # the logging step): JAX's preemption service stops both after the furthest step either
     # had reached when the notice came, plus one: 3 (status 75).
     two, data_dir = tmp_path / "two", tmp_path / "tfds_two"
+    common.append(f"--config.data.vocab_dir={translation.shared_vocab_dir(tfds_dir)}")
     stop = ["--config.train.log_every=2", "--config.train.checkpoint_every=100"]
     if family == "translation":
         stop_step = 2

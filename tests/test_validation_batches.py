@@ -66,12 +66,16 @@ def test_learned_positions_score_the_cut_pairs_like_one_pair_at_a_time():
     )
     model = EncoderDecoder(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     batches = padded_batches(EncodedPairs.from_sequences(src, tgt), 4, max_length=MAX_LEN)
-    nll = sum(float(loss_terms(model, b, 0.0)[1]["nll_sum"]) for b in batches)
+    # Both sides jitted (one program per shape), where op-by-op dispatch compiled each op of
+    # each shape alone: 10.6 s a run eager, a median of 4.7 s jitted (middle kind, 2026-12-03).
+    nll_sum = nnx.jit(lambda model, batch: loss_terms(model, batch, 0.0)[1]["nll_sum"])
+    nll = sum(float(nll_sum(model, b)) for b in batches)
+    forward = nnx.jit(lambda model, s, t_in: model(s, t_in))
     expected = 0.0
     for s, t in zip(src, tgt, strict=True):
         s, t = _cut(s, t)
         t_in = np.concatenate([[BOS_ID], t[:-1]]).astype(np.int32)
-        logits = np.asarray(model(s[None], t_in[None])[0], np.float64)
+        logits = np.asarray(forward(model, s[None], t_in[None])[0], np.float64)
         log_probs = log_softmax(logits, axis=-1)
         expected -= log_probs[np.arange(len(t)), t].sum()
     np.testing.assert_allclose(nll, expected, rtol=1e-5)
