@@ -182,7 +182,7 @@ def test_processes_train_and_evaluate_like_one(family, tmp_path, tfds_dir, multi
     # the logging step): JAX's preemption service stops both after the furthest step either
     # had reached when the notice came, plus one: 3 (status 75).
     two, data_dir = tmp_path / "two", tmp_path / "tfds_two"
-    common.append(f"--config.data.vocab_dir={translation.shared_vocab_dir(tfds_dir)}")
+    common = [*common, f"--config.data.vocab_dir={translation.shared_vocab_dir(tfds_dir)}"]
     stop = ["--config.train.log_every=2", "--config.train.checkpoint_every=100"]
     if family == "translation":
         stop_step = 2

@@ -3,6 +3,7 @@
 import numpy as np
 from flax import nnx
 from scipy.special import log_softmax
+from test_attention import jitted
 
 from xformer.data.pipeline import EncodedPairs
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -70,12 +71,12 @@ def test_learned_positions_score_the_cut_pairs_like_one_pair_at_a_time():
     # each shape alone: 10.6 s a run eager, a median of 4.7 s jitted (middle kind, 2026-12-03).
     nll_sum = nnx.jit(lambda model, batch: loss_terms(model, batch, 0.0)[1]["nll_sum"])
     nll = sum(float(nll_sum(model, b)) for b in batches)
-    forward = nnx.jit(lambda model, s, t_in: model(s, t_in))
+    forward = jitted(model)
     expected = 0.0
     for s, t in zip(src, tgt, strict=True):
         s, t = _cut(s, t)
         t_in = np.concatenate([[BOS_ID], t[:-1]]).astype(np.int32)
-        logits = np.asarray(forward(model, s[None], t_in[None])[0], np.float64)
+        logits = np.asarray(forward(s[None], t_in[None])[0], np.float64)
         log_probs = log_softmax(logits, axis=-1)
         expected -= log_probs[np.arange(len(t)), t].sum()
     np.testing.assert_allclose(nll, expected, rtol=1e-5)
