@@ -56,6 +56,10 @@ def test_masks_truth_tables():
     np.testing.assert_array_equal(m, expected)
     cross = np.asarray(masks.segment_mask(jnp.array([[1, 2, 0]]), jnp.array([[1, 1, 2, 0]])))[0, 0]
     np.testing.assert_array_equal(cross, [[1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
+    window = np.asarray(masks.attention_mask("sliding_window", layout, window=2))[0, 0]
+    np.testing.assert_array_equal(window, np.tri(6, k=0, dtype=bool) & ~np.tri(6, k=-2, dtype=bool))
+    with pytest.raises(ValueError, match="a sliding window needs window > 0, got 0"):
+        masks.attention_mask("sliding_window", layout, window=0)  # no key: every key, softmaxed
 
 
 def test_self_attention_module_matches_numpy():

@@ -174,6 +174,9 @@ def test_d_model_not_divisible_by_heads(tmp_path):
         ("model.d_model", "big", "must be int"),
         ("model.num_heads", 0, "model.num_heads must be positive, got 0"),
         ("train.grad_accum_steps", 0, r"train.grad_accum_steps=0 must be an integer >= 1"),
+        ("train.batch_size", 64.0, r"config key 'train.batch_size' must be int, got 64.0"),
+        ("train.seed", 0.5, r"config key 'train.seed' must be int, got 0.5"),
+        ("eval.beam_size", True, r"config key 'eval.beam_size' must be int, got True"),
         ("train.peak_tflops", -1.0, r"train.peak_tflops must be >= 0 \(0 = by device kind\)"),
         ("eval.batch_size", 0, "eval.batch_size must be >= 1, got 0"),
         ("train.keep_checkpoints", 0, "train.keep_checkpoints must be positive, got 0"),
@@ -391,6 +394,10 @@ def test_empty_lines_are_kept(tmp_path):
             r"prefix_lm windows can score at most .* = 57",
         ),
         ({"eval.decoder_mask": "prefix_lm"}, r"can switch prefix_lm neither on nor off"),
+        (  # a window of 0 keys would hide every key, and a fully masked row sees them all
+            {"eval.decoder_mask": "sliding_window"},
+            r"eval.decoder_mask='sliding_window' needs model.attention_window > 0",
+        ),
         (
             {"model.positional": "rope", "model.d_model": 18, "model.num_heads": 2},
             r"rope' needs an even head size \(d_model / num_heads = 9\)",
@@ -444,6 +451,17 @@ def test_incompatible_translation_options(overrides, message):
         section, name = key.split(".")
         config[section][name] = value
     with pytest.raises(ValueError, match=message):
+        config_lib.validate(config)
+
+
+def test_a_language_models_learned_table_is_sized_by_its_segments():
+    """Not by the translation-only data.max_train_length (64 by default)."""
+    config = config_lib.lm_base_config("ptb")
+    config.model.update(positional="learned", max_len=32, mem_len=0)
+    config.data.segment_length = 32
+    config_lib.validate(config)
+    config.eval.segment_length = 33
+    with pytest.raises(ValueError, match=r"eval segment length 33 exceed the learned position"):
         config_lib.validate(config)
 
 

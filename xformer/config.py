@@ -7,6 +7,7 @@ values and meanings live there; masking and positional schemes check their own r
 (masks.MaskScheme.check, PositionalScheme.check_config / check_memory).
 """
 
+import numbers
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -265,7 +266,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
             continue  # typed by the model dataclasses (_validate_model)
         if (
             isinstance(default, bool) != isinstance(value, bool)
-            or (isinstance(default, int | float) and not isinstance(value, int | float))
+            or (isinstance(default, float) and not isinstance(value, numbers.Real))
+            or (isinstance(default, int) and not isinstance(value, numbers.Integral))
             or (isinstance(default, str) and not isinstance(value, str))
             or (isinstance(default, tuple) and not isinstance(value, tuple | list))
         ):
@@ -290,7 +292,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"data.vocab_size must be > 4 (the tokenizer's 4 special pieces), got {d.vocab_size}"
         )
-    if m.positional == "learned" and d.max_train_length > m.max_len:
+    if (
+        m.family == "encoder_decoder"
+        and m.positional == "learned"
+        and d.max_train_length > m.max_len
+    ):
         raise ValueError(
             f"data.max_train_length={d.max_train_length} exceeds the learned position table "
             f"model.max_len={m.max_len}"

@@ -48,6 +48,11 @@ class MaskScheme:
     ) -> None:
         """Raise ValueError naming `key` (the config key selecting the scheme) if this scheme
         cannot run with this memory, segment length and evaluation stride."""
+        if self.size_key and getattr(cfg, self.size_key) <= 0:  # eval.decoder_mask's choice
+            raise ValueError(
+                f"{key}={self.name!r} needs model.{self.size_key} > 0, which only a model "
+                f"trained with {self.name!r} has"
+            )
         if self.memory == "required" and not mem_len:
             raise ValueError(f"{key}={self.name!r} needs a memory (model.mem_len / eval.mem_len)")
         if self.memory == "forbidden" and mem_len:
@@ -66,6 +71,8 @@ def bidirectional(layout: Layout, *, window: int, prefix_length: int) -> jax.Arr
 def sliding_window(layout: Layout, *, window: int, prefix_length: int) -> jax.Array:
     """Local attention: the `window` keys ending at the query (causal stacks), or the keys
     fewer than `window` positions away on either side (encoders)."""
+    if window <= 0:  # no key at all: a fully masked row would average over every key
+        raise ValueError(f"a sliding window needs window > 0, got {window}")
     distance = layout.distances()
     if layout.causal:
         return (distance >= 0) & (distance < window)
