@@ -10,6 +10,7 @@ the tensor-split parameters (one task per GPU, as under SLURM)."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ import test_train_eval as translation
 
 from xformer import config as config_lib
 from xformer import faults, sharding
-from xformer.checkpoint import Checkpointer, read_state
+from xformer.checkpoint import Checkpointer, CheckpointMismatchError, read_state
 from xformer.config import flatten
 from xformer.data.pipeline import EncodedPairs, packed_train_dataset
 from xformer.dispatch import DispatchWindow
@@ -367,8 +368,12 @@ def test_checkpoint_from_another_process_count_is_refused(tmp_path):
     args = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(positions)}
     manager.save(3, args=ocp.args.Composite(**args))
     manager.close()
-    with pytest.raises(ValueError, match="data positions of 2 processes, but this run has 1"):
+    shutil.rmtree(tmp_path / "checkpoints" / "3" / "state")  # refused before any array is read
+    with pytest.raises(
+        CheckpointMismatchError, match="data positions of 2 processes, but this run has 1"
+    ):
         Checkpointer(str(tmp_path)).restore(state)
+    shutil.rmtree(tmp_path / "checkpoints")
     checkpointer = Checkpointer(str(tmp_path))  # a one-process checkpoint restores its own
     checkpointer.save(4, state, {"segment": 5})
     checkpointer.close()

@@ -61,6 +61,24 @@ def test_a_resumed_writer_drops_the_steps_after_its_checkpoint(tmp_path):
     assert starts == [4]  # (TensorBoard drops the earlier files' events from step 4 on)
 
 
+def test_a_fresh_start_drops_what_a_start_without_checkpoints_logged(tmp_path):
+    """A start killed before its first checkpoint leaves rows that a fresh start (no checkpoint
+    to resume) would log again, maybe with another config: they go, and TensorBoard is told to
+    purge the earlier events from step 0. A first start into an empty workdir purges nothing."""
+    writer = MetricWriter(str(tmp_path))
+    for step in (50, 100):
+        writer.write(step, {"loss": 9.0}, prefix="train/")
+    writer.close()
+    assert not [e for e in read_events(tmp_path / "tensorboard") if e.HasField("session_log")]
+    fresh = MetricWriter(str(tmp_path))
+    fresh.write(50, {"loss": 1.0}, prefix="train/")
+    fresh.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/loss"]) for r in lines] == [(50, 1.0)]
+    starts = [e.step for e in read_events(tmp_path / "tensorboard") if e.HasField("session_log")]
+    assert starts == [0]
+
+
 def test_a_logged_validation_is_found_by_its_step_and_split(tmp_path):
     """The validation row of a step (not its training row, not another split's, not a line cut
     by a kill): what a resumed run reads to know that validation finished."""

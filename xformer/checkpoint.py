@@ -20,7 +20,11 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (its temporary directory is never committed)."""
 
 
-class CheckpointShapeError(ValueError):
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that the run restoring it cannot resume from."""
+
+
+class CheckpointShapeError(CheckpointMismatchError):
     """A checkpoint holds arrays of other shapes than the model restoring it."""
 
 
@@ -133,23 +137,20 @@ class Checkpointer:
         """Restore onto `target` (a pytree of arrays or ShapeDtypeStructs with shardings)."""
         step = self._step(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        check_shapes(self.manager.directory, step, abstract)  # before any array is read
-        with explained_shape_errors(self.manager.directory):
-            restored = self.manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
-                ),
-            )
-        data = restored["data"]
-        if "per_process" not in data:  # written before per-process states (one process)
-            return restored["state"], data
-        states = data["per_process"]
+        # Both checks before any array is read:
+        data = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+        data = data["data"]
+        states = data.get("per_process", [data])  # (one process's, before per-process states)
         if len(states) != jax.process_count():
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"checkpoint {step} in {self.manager.directory} holds the data positions of "
                 f"{len(states)} processes, but this run has {jax.process_count()}: resume it with "
                 f"{len(states)} processes"
+            )
+        check_shapes(self.manager.directory, step, abstract)
+        with explained_shape_errors(self.manager.directory):
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
             )
         return restored["state"], states[jax.process_index()] or {}
 

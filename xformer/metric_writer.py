@@ -1,5 +1,6 @@
 """Scalars to TensorBoard event files and to <workdir>/metrics.jsonl."""
 
+import glob
 import json
 import os
 import re
@@ -42,20 +43,23 @@ def tensorboard_tag(name: str) -> str:
 
 
 class MetricWriter:
-    """Appends to metrics.jsonl and the TensorBoard events. A run resumed from checkpoint
-    `resume_step` first drops the rows and events of later steps (a killed run logged them after
-    its last checkpoint; the resumed run logs them again)."""
+    """Appends to metrics.jsonl and the TensorBoard events, keeping the rows and events that
+    earlier starts logged for steps up to `resume_step` only: a run resumed from checkpoint N
+    drops those after N (a killed start logged them after its last checkpoint; this one logs
+    them again), a fresh start (-1) drops all of a start that died before its first checkpoint."""
 
-    def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
+    def __init__(self, workdir: str, enabled: bool = True, resume_step: int = -1):
         self.enabled = enabled
         if enabled:
             os.makedirs(workdir, exist_ok=True)
             path = os.path.join(workdir, "metrics.jsonl")
-            if resume_step is not None and os.path.exists(path):
+            if os.path.exists(path):
                 _drop_rows_after(path, resume_step)
             self._jsonl = open(path, "a")  # noqa: SIM115
-            purge = None if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge)
+            logdir = os.path.join(workdir, "tensorboard")
+            earlier = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+            purge = resume_step + 1 if earlier else None
+            self._tb = SummaryWriter(logdir, purge_step=purge)
 
     def write(self, step: int, metrics: dict, prefix: str = "") -> None:
         if not self.enabled:

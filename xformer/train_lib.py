@@ -20,7 +20,7 @@ from xformer import config as config_lib
 from xformer import distributed, faults, op_profile, provenance, sharding
 from xformer import experiment as experiment_lib
 from xformer import flops as flops_lib
-from xformer.checkpoint import CheckpointShapeError
+from xformer.checkpoint import CheckpointMismatchError
 from xformer.dispatch import DispatchWindow
 from xformer.files import read_json_if_present, read_jsonl, write_json
 from xformer.optim import learning_rate_schedule
@@ -472,7 +472,7 @@ def train_and_evaluate(
     else:  # onto shapes: a resumed run neither initialises nor holds a second train state
         try:
             state, data_state = exp.checkpointer.restore(exp.abstract_state(carry))
-        except CheckpointShapeError as e:
+        except CheckpointMismatchError as e:  # (other shapes, another process count)
             exp.checkpointer.close()  # (its threads would outlive the exit, each with a stack)
             raise config_lib.ConfigError(str(e)) from e
         progress = exp.checkpointer.progress()
@@ -505,7 +505,7 @@ def train_and_evaluate(
     writer = MetricWriter(
         workdir,
         enabled=jax.process_index() == 0,
-        resume_step=(step - 1 if pending_eval else step) if resumed else None,
+        resume_step=(step - 1 if pending_eval else step) if resumed else -1,
     )
     if pending_eval:
         writer.write(step, last_metrics, prefix="train/")
