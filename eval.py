@@ -26,7 +26,10 @@ Results are printed as JSON and written to <workdir>/eval_<name>.json (<name>: t
 input.<file name>) when they are the run's own: its latest checkpoint, evaluated with its
 settings. Others add what differs, so that none overwrites it: eval_<name>.step4.json (--step
 before the latest), .avg3 (--average_last=3), .mem_len=640,clamp_len=400 (the settings whose
-flags changed them; translation hypotheses are named alike). An --input, --reference
+flags changed them; translation hypotheses are named alike, and a split's sources and
+references are written beside them in their order: <name>.<source language>, <name>.ref.<target
+language>; a split of the TFDS catalog, such as WMT14's, is in TFDS's stored order, not the
+official file's). An --input, --reference
 or --output that cannot be used (missing, invalid UTF-8, different line counts, symbols a
 character model has no <unk> for) is reported in one line on stderr, naming the file, line and
 column, with exit status 2, before any model is restored.
@@ -381,9 +384,15 @@ def evaluate_translation(config, workdir: str, tag: str) -> tuple[dict, str]:
     output = _OUTPUT.value or os.path.join(
         workdir, "translations", f"{hypotheses}.{config.data.target_lang}"
     )
+    aligned = {}  # {path: lines}: a split's sources and references, in its hypotheses' order
+    if not _INPUT.value and not _OUTPUT.value:
+        stem, d = os.path.join(workdir, "translations", name), config.data
+        aligned = {f"{stem}.{d.source_lang}": sources, f"{stem}.ref.{d.target_lang}": references}
     if jax.process_index() == 0:
         write_lines(output, hyps)
         logging.info("wrote %d translations to %s", len(hyps), output)
+        for path, lines in aligned.items():
+            write_lines(path, [" ".join(line.splitlines()) for line in lines])  # one line each
     result = {
         "name": name,
         "step": step,
@@ -399,6 +408,7 @@ def evaluate_translation(config, workdir: str, tag: str) -> tuple[dict, str]:
         "beam_size": config.eval.beam_size,
         "length_penalty": config.eval.length_penalty,
         "output": output,
+        **dict(zip(("sources", "references"), aligned, strict=False)),
     }
     if references is not None and hyps:
         result.update(bleu_report(hyps, references, config.data.target_lang).as_dict())

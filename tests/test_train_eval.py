@@ -15,8 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import sacrebleu
 
 from xformer.checkpoint import Checkpointer
+from xformer.data.translation import split_text
+from xformer.experiment import load_config
 from xformer.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +182,18 @@ def test_eval_py_translates_every_line_it_is_given(tmp_path, tfds_dir, multi30k_
     assert not (workdir / "eval_test_2017_mscoco.json").exists()  # the run's own (beam 2)
     assert report["sentences"] == 461
     assert {"sacrebleu", "lc_tok_bleu", "signature"} <= set(report)
-    assert len(Path(report["output"]).read_text(encoding="utf-8").splitlines()) == 461
+    hypotheses = Path(report["output"]).read_text(encoding="utf-8").splitlines()
+    assert len(hypotheses) == 461
+    # Beside them, the split's sources and references in their order: a split of the TFDS
+    # catalog (WMT14's) is stored in TFDS's order, not the official file's.
+    sources, references = split_text(load_config(str(workdir)), "test_2017_mscoco")
+    assert report["sources"].endswith("/translations/test_2017_mscoco.en")
+    assert report["references"].endswith("/translations/test_2017_mscoco.ref.de")
+    assert Path(report["sources"]).read_text(encoding="utf-8").splitlines() == sources
+    written = Path(report["references"]).read_text(encoding="utf-8").splitlines()
+    assert written == references
+    bleu = sacrebleu.corpus_bleu(hypotheses, [written])
+    assert bleu.score == pytest.approx(report["sacrebleu"], abs=1e-9)
 
 
 @pytest.mark.slow
