@@ -463,6 +463,9 @@ def test_char_and_byte_vocab(tmp_path):
     assert CharVocab.load(path).chars == vocab.chars
     unicode = CharVocab.build("𝄞ü€€")  # ties by code point
     assert unicode.chars == ("€", "ü", "𝄞") and unicode.decode(unicode.encode("𝄞ü")) == "𝄞ü"
+    mixed = CharVocab.build("ab €")  # ASCII text (uint8 code points) with a table past 255
+    assert mixed.encode("ba").tolist() == [2, 1] and mixed.encode(b"a ").tolist() == [1, 0]
+    assert mixed.unknown_chars("abz") == {"z": 1} and mixed.unknown_chars("ü€") == {"ü": 1}
     byte = ByteVocab()
     assert byte.encode(b"\x00\xff\n").tolist() == [0, 255, 10]
     assert byte.decode(np.array([104, 105])) == b"hi"

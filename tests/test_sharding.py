@@ -97,7 +97,7 @@ def test_mesh_spec_follows_the_rules():
     [
         ("fsdp", 0, "must be integers >= 1"),
         ("tensor", -1, "at most one of them -1"),  # data is -1 already
-        ("fsdp", 1.5, "must be integers"),
+        ("fsdp", 1.5, r"config key .mesh.fsdp. must be int, got 1.5"),
     ],
 )
 def test_bad_mesh_keys_are_refused_by_validate(key, value, message):

@@ -85,7 +85,7 @@ class SymbolVocab:
     def save(self, path: str | Path) -> None:
         """Writes one symbol per line, in id order (UTF-8)."""
         lines = "".join(f"{self._to_line(s)}\n" for s in self.symbols)
-        tmp = Path(f"{path}.tmp")
+        tmp = Path(f"{path}.tmp.{os.getpid()}")  # (jobs sharing a vocab_dir may write at once)
         tmp.write_text(lines, encoding="utf-8")
         os.replace(tmp, path)  # never a half-written vocabulary under its real name
 
@@ -240,10 +240,17 @@ class CharVocab(SymbolVocab):
     def _from_line(line: str) -> str:
         return chr(int(line))
 
+    def _ids(self, codes: np.ndarray) -> np.ndarray:
+        """The id of each code point (-1: not in the vocabulary)."""
+        last = len(self._table) - 1  # (the entry of every larger code point)
+        if last <= np.iinfo(codes.dtype).max:  # else every code is below it (ASCII's uint8)
+            codes = np.minimum(codes, last)
+        return self._table[codes]
+
     def encode(self, text: str | bytes) -> np.ndarray:
         """Returns the int32 id stream of ``text`` (bytes are decoded as UTF-8)."""
         codes = _code_points(text)
-        ids = self._table[np.minimum(codes, len(self._table) - 1)]
+        ids = self._ids(codes)
         if (ids < 0).any():
             char = chr(codes[int(np.argmax(ids < 0))])
             raise DataValueError(f"character {char!r} is not in the vocabulary")
@@ -252,7 +259,7 @@ class CharVocab(SymbolVocab):
     def unknown_chars(self, text: str) -> collections.Counter[str]:
         """{character: occurrences} of the characters of ``text`` outside the vocabulary."""
         codes = _code_points(text)
-        ids = self._table[np.minimum(codes, len(self._table) - 1)]
+        ids = self._ids(codes)
         missing, counts = np.unique(codes[ids < 0], return_counts=True)
         return collections.Counter({chr(c): int(n) for c, n in zip(missing, counts, strict=True)})
 
