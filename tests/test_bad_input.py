@@ -407,6 +407,11 @@ def test_empty_lines_are_kept(tmp_path):
         ({"eval.clamp_len": -2}, r"eval.clamp_len must be >= 0, or -1"),
         ({"eval.mem_len": -5}, r"eval.mem_len must be >= 0, or -1 \(as trained\); got -5"),
         ({"data.vocab_size": 1}, r"data.vocab_size must be 0 \(every type\) or >= 2"),
+        (
+            {"data.dataset": "enwik8", "data.vocab_size": 200},
+            r"data.vocab_size=200 caps word vocabularies; 'enwik8' is read as bytes",
+        ),
+        ({"data.dataset": "text8", "data.vocab_size": 30}, r"'text8' is read as chars, every"),
         ({"model.num_decoder_layers": 0}, r"model.num_decoder_layers must be positive, got 0"),
         ({"eval.beam_size": 9}, r"eval.beam_size is for encoder_decoder runs; a decoder_only"),
         ({"data.max_train_length": 32}, r"data.max_train_length is for encoder_decoder runs"),

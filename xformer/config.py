@@ -18,7 +18,7 @@ import numpy as np
 from absl import logging
 
 from xformer import masks, model_config, positional, sharding
-from xformer.data.registry import LM_CORPORA
+from xformer.data.registry import LM_CORPORA, corpus_info
 from xformer.positional import SCHEMES
 
 ALLOWED = {  # data and train keys; the model keys' allowed values are in model_config.py
@@ -592,6 +592,12 @@ def _validate_language_model(config: ml_collections.ConfigDict, cfg) -> None:
     if d.vocab_size == 1 or d.vocab_size < 0:
         raise ValueError(
             f"data.vocab_size must be 0 (every type) or >= 2 (<eos>, <unk>), got {d.vocab_size}"
+        )
+    tokenization = corpus_info(d.dataset).tokenization
+    if d.vocab_size and tokenization != "whitespace":
+        raise ValueError(
+            f"data.vocab_size={d.vocab_size} caps word vocabularies; {d.dataset!r} is read as "
+            f"{tokenization}s, every one a token (leave it at 0)"
         )
     eval_length = e.segment_length or d.segment_length
     eval_mem_len = m.mem_len if e.mem_len < 0 else e.mem_len
