@@ -30,7 +30,7 @@ from xformer import config as config_lib
 from xformer import faults, sharding
 from xformer.checkpoint import Checkpointer, CheckpointMismatchError, read_state
 from xformer.config import flatten
-from xformer.data.pipeline import EncodedPairs, packed_train_dataset
+from xformer.data.pipeline import EncodedPairs, ShardBatches, packed_train_dataset
 from xformer.dispatch import DispatchWindow
 from xformer.files import read_jsonl
 from xformer.preemption import EXIT_STOPPED
@@ -274,6 +274,34 @@ def test_input_shards_join_into_the_same_batches():
     resumed.set_state(state)
     for key, value in next(resumed).items():
         np.testing.assert_array_equal(value, expected[key])
+
+
+def test_a_position_resumes_only_onto_the_shards_that_wrote_it():
+    """A process that read shard 1 of 2 and resumes reading shards [0, 1] of 2 (the mesh's
+    row blocks changed: its block is now shared with the other process, which read shard 0)
+    would feed other rows than that process: refused. Its own shards resume exactly, as does
+    a position saved without its shards (older checkpoints)."""
+    rng = np.random.default_rng()
+    lengths = rng.integers(4, 12, size=(2, 200))
+    src, tgt = ([rng.integers(4, 50, n).astype(np.int32) for n in side] for side in lengths)
+    pairs = EncodedPairs.from_sequences(src, tgt)
+    settings = {"batch_size": 8, "max_length": 16, "seed": 5, "num_shards": 2}
+
+    def batches(shards):
+        return ShardBatches(packed_train_dataset(pairs, shards=shards, **settings), 2, shards)
+
+    one = batches((1,))
+    next(one)
+    state = one.get_state()
+    assert state["num_shards"] == 2 and state["shards"] == [1]
+    expected = next(one)
+    with pytest.raises(ValueError, match=r"read input shards \[1\] of 2, this one reads \[0, 1\]"):
+        batches((0, 1)).set_state(state)
+    for resumed_state in (state, state["position"]):
+        resumed = batches((1,))
+        resumed.set_state(resumed_state)
+        for key, value in next(resumed).items():
+            np.testing.assert_array_equal(value, expected[key])
 
 
 def test_input_shards_draw_their_own_orders():

@@ -143,6 +143,40 @@ def packed_train_dataset(
     return grain_exp.ZipIterDataset([shard(s) for s in shards]).map(join_rows)
 
 
+class ShardBatches:
+    """Iterates `dataset`, the batches of input shards `shards` of `num_shards`, and saves its
+    position with the shards it read, so a checkpoint resumes only onto them: under a mesh of
+    other row blocks, the processes of one block would resume different positions and feed
+    different rows to devices that must hold the same ones."""
+
+    def __init__(self, dataset: grain.IterDataset, num_shards: int, shards: Sequence[int]):
+        self._iterator = iter(dataset)
+        self._shards = {"num_shards": num_shards, "shards": list(shards)}
+
+    def __iter__(self) -> "ShardBatches":
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._iterator)
+
+    def get_state(self) -> dict:
+        return {**self._shards, "position": self._iterator.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        if "position" not in state:  # written before the shards were saved with it
+            self._iterator.set_state(state)
+            return
+        read = {"num_shards": state["num_shards"], "shards": list(state["shards"])}
+        if read != self._shards:
+            raise ValueError(
+                f"the checkpoint's process read input shards {read['shards']} of "
+                f"{read['num_shards']}, this one reads {self._shards['shards']} of "
+                f"{self._shards['num_shards']}: resume on the mesh (row blocks per process) "
+                "that wrote it"
+            )
+        self._iterator.set_state(state["position"])
+
+
 def bucket_length(n: int, multiple: int = 16) -> int:
     """Round a length up to a multiple, so a handful of shapes cover all batches."""
     return max(multiple, -(-n // multiple) * multiple)

@@ -14,6 +14,7 @@ from xformer import experiment as experiment_lib
 from xformer.bleu import bleu_report
 from xformer.data.pipeline import (
     EncodedPairs,
+    ShardBatches,
     bucket_length,
     packed_train_dataset,
     pad_rows,
@@ -126,6 +127,7 @@ class TranslationTask:
         block, blocks = sharding.process_row_block(self.exp.mesh)
         num_shards = c.data.input_shards or blocks
         per_block = num_shards // blocks
+        shards = range(block * per_block, (block + 1) * per_block)
         dataset = packed_train_dataset(
             pairs,
             batch_size=c.train.batch_size,
@@ -134,9 +136,9 @@ class TranslationTask:
             num_packing_bins=c.data.num_packing_bins,
             max_pairs_per_row=c.data.max_pairs_per_row,
             num_shards=num_shards,
-            shards=range(block * per_block, (block + 1) * per_block),
+            shards=shards,
         )
-        return iter(dataset)
+        return ShardBatches(dataset, num_shards, shards)
 
     def init_carry(self) -> dict:
         return {}
