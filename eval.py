@@ -149,11 +149,12 @@ def main(argv):
     if _COMPARE.value is not None:
         if _WORKDIR.value is not None:
             raise app.UsageError("give --workdir (evaluate) or --compare, not both")
-        given = [name for name, flag in EVALUATION_FLAGS.items() if flag.value is not None]
+        given = [f"--{name}" for name, flag in EVALUATION_FLAGS.items() if flag.value is not None]
+        given += distributed_flags.given()
         if given:  # --compare reads the results the runs hold: it evaluates nothing
             raise app.UsageError(
-                f"--compare evaluates nothing: {', '.join('--' + n for n in given)} would be "
-                "ignored (evaluate each workdir with them first)"
+                f"--compare evaluates nothing: {', '.join(given)} would be ignored (evaluate "
+                "each workdir with them first)"
             )
         return compare(argv[1:])
     if _COMPARE_OUT.value is not None:
@@ -401,7 +402,8 @@ def evaluate_translation(config, workdir: str, tag: str) -> tuple[dict, str]:
         "empty_inputs": translations.empty,
         "truncated_inputs": translations.truncated,
         "longest_input_tokens": translations.longest_input,
-        "max_input_tokens": translations.input_limit,
+        "max_input_tokens": config.eval.max_input_tokens,
+        "input_token_limit": translations.input_limit,  # (at most model.max_len when learned)
         "stopped_at_length_cap": translations.hit_length_cap,
         "max_decode_extra": config.eval.max_decode_extra,
         "seconds": round(seconds, 2),

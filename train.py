@@ -107,8 +107,10 @@ def main(argv):
     if (config is None) == (_SWEEP.value is None):
         raise app.UsageError("give exactly one of --config and --sweep")
     if _SWEEP.value is not None:
-        if distributed_flags.DISTRIBUTED.value:
-            raise app.UsageError("--distributed is for --config runs, not --sweep")
+        ignored = distributed_flags.given()
+        ignored += ["--accept_config_changes"] if _ACCEPT_CHANGES.value else []
+        if ignored:  # a sweep's points are single-process train.py runs it starts itself
+            raise app.UsageError(f"{', '.join(ignored)}: for --config runs, not --sweep")
         if _LIST.value and (_POINT.value is not None or _DRY_RUN.value):
             raise app.UsageError("--list runs nothing: give it without --point and --dry_run")
         try:

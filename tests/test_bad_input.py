@@ -52,9 +52,10 @@ def test_config_flags_that_cannot_be_used_are_one_line(tmp_path, flags, message)
 
 
 def test_eval_flags_that_cannot_be_used_are_one_line(tmp_path):
-    """eval.py, sample.py and average.py: a workdir that is not one, an evaluation batch of no
-    rows, an output that is a directory, --split with --input, a negative memory: one line
-    (not the script's help), before any data is read."""
+    """eval.py, sample.py, average.py and train.py --sweep: a workdir that is not one, an
+    evaluation batch of no rows, an output that is a directory, --split with --input, a
+    negative memory, flags that would be ignored: one line (not the script's help), before any
+    data is read."""
     save_config(config_lib.base_config(), str(tmp_path))
     lm = tmp_path / "lm"
     lm.mkdir()
@@ -99,9 +100,15 @@ def test_eval_flags_that_cannot_be_used_are_one_line(tmp_path):
             "sample.py: --segment_length must be >= 1, got 0 (leave it out to use the",
         ),
         (
-            ["eval.py", f"--compare={tmp_path}", "--split=valid", "--average_last=2"],
+            ["eval.py", f"--compare={tmp_path}", "--split=valid", "--num_processes=2"],
             1,
-            "eval.py: --compare evaluates nothing: --split, --average_last would be ignored",
+            "eval.py: --compare evaluates nothing: --split, --num_processes would be ignored",
+        ),
+        (
+            ["train.py", "--sweep=configs/sweeps/ptb_positional.py", f"--workdir={missing}"]
+            + ["--dry_run", "--accept_config_changes", "--process_id=1"],
+            1,
+            "train.py: --process_id, --accept_config_changes: for --config runs, not --sweep",
         ),
         (  # (an evaluation of 64 rows over 3 devices, checked before any data is read)
             ["eval.py", f"--workdir={tmp_path}", "--batch_size=64", "--xla_devices=3"],

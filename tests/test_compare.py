@@ -327,6 +327,14 @@ def test_test_results_of_different_evaluation_settings_are_flagged(tmp_path):
         "eval_mem_len=640): set them in the runs' configs (eval.*), or compare the results of "
         "eval.py given the same flags."
     ]
+    # Translation: the same settings, inputs cut at another length (learned positions' table)
+    tests = [{"beam_size": 4, "max_input_tokens": 512, "input_token_limit": n} for n in (512, 256)]
+    assert compare.settings_notes(dict(zip("ef", tests, strict=True))) == []
+    tests[1]["max_input_tokens"] = 256
+    assert (
+        "e: max_input_tokens=512; f: max_input_tokens=256"
+        in compare.settings_notes(dict(zip("ef", tests, strict=True)))[0]
+    )
 
 
 def test_a_shell_expanded_glob_skips_what_is_not_a_workdir(tmp_path):

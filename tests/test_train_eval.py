@@ -186,7 +186,9 @@ def test_eval_py_translates_every_line_it_is_given(tmp_path, tfds_dir, multi30k_
     assert len(hypotheses) == 461
     # Beside them, the split's sources and references in their order: a split of the TFDS
     # catalog (WMT14's) is stored in TFDS's order, not the official file's.
-    sources, references = split_text(load_config(str(workdir)), "test_2017_mscoco")
+    config = load_config(str(workdir))
+    assert report["max_input_tokens"] == config.eval.max_input_tokens  # (the setting)
+    sources, references = split_text(config, "test_2017_mscoco")
     assert report["sources"].endswith("/translations/test_2017_mscoco.en")
     assert report["references"].endswith("/translations/test_2017_mscoco.ref.de")
     assert Path(report["sources"]).read_text(encoding="utf-8").splitlines() == sources

@@ -17,6 +17,13 @@ NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --distributed:
 PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --distributed: this one's index.")
 
 
+def given() -> list[str]:
+    """The multi-process flags given, as "--name" (for commands that run no job of their own)."""
+    chosen = [DISTRIBUTED] if DISTRIBUTED.value else []
+    chosen += [f for f in (COORDINATOR, NUM_PROCESSES, PROCESS_ID) if f.present]
+    return [f"--{f.name}" for f in chosen]
+
+
 def initialize_if_requested(training: bool) -> None:
     """Join the job when --distributed is given (`training`: see distributed.initialize); a
     usage error for its flags without it."""
