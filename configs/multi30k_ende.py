@@ -4,10 +4,11 @@
     python eval.py --workdir=workdirs/multi30k_ende --split=test_2016_flickr
 
 Trains a joint 8k SentencePiece vocabulary on the training split, then the model for 5,300
-steps: a budget in steps, so the result does not depend on the machine's speed. On the README's
-2-core reference machine that took 60 minutes; one with a third of its matmul ceiling ran 2,136
-steps an hour (about 2.5 hours for all). README.md gives the BLEU it reaches and the BLEU by
-step, for a run limited in time with `--config.train.max_train_seconds=3600`.
+steps: a budget in steps, so the result does not depend on the machine's speed. On a fast 2-core
+machine of the README's reference kind that took 37 minutes (2026-12-02); one with a third of its
+matmul ceiling ran 3,000 steps in 54 minutes (about 1.5 hours for all). README.md gives the BLEU
+it reaches and the BLEU by step, for a run limited in time with
+`--config.train.max_train_seconds=3600`.
 
 Variants (`--config=configs/multi30k_ende.py:rope,short`): a positional scheme for both
 stacks (learned, relative, rope, t5_bias, alibi, none; the default is sinusoidal); local
