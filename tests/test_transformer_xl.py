@@ -120,6 +120,21 @@ def test_recurrence_equals_one_pass_over_the_concatenation(overrides):
     np.testing.assert_array_equal(memory["filled"], [9, 9])
 
 
+def test_hidden_keys_of_a_segment_with_a_memory_are_hidden_as_in_one_pass():
+    """key_valid [B, L] covers the segment's keys; the memory's stay visible by `filled`."""
+    model = LanguageModel(TINY, rngs=nnx.Rngs(8))
+    hidden = jitted(model, "hidden")
+    tokens = _tokens(9, (2, 9))
+    valid = np.ones((2, 9), bool)
+    valid[0, 5], valid[1, 7] = False, False  # keys of the second segment (positions 4-8)
+    full, _ = hidden(tokens, key_valid=jnp.asarray(valid))
+    _, memory = hidden(tokens[:, :4], model.init_memory(2, mem_len=4))
+    second, _ = hidden(tokens[:, 4:], memory, key_valid=jnp.asarray(valid[:, 4:]))
+    np.testing.assert_allclose(second, full[:, 4:], atol=1e-5, rtol=1e-5)
+    unhidden, _ = hidden(tokens[:, 4:], memory)
+    assert not np.allclose(unhidden[0, 2:], second[0, 2:], atol=1e-3)  # (the key did count)
+
+
 def test_memory_keeps_the_most_recent_states():
     model = LanguageModel(TINY, rngs=nnx.Rngs(6))
     tokens = _tokens(7, (1, 10))

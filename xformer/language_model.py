@@ -77,7 +77,8 @@ class LanguageModel(nnx.Module):
         """tokens [B, L] -> (final hidden states [B, L, d], updated memory).
 
         positions [B, L] feed absolute schemes (default 0..L-1); key_valid [B, L] (False marks
-        left padding no query may attend to) serves sliding-window evaluation.
+        the segment's keys no query may attend to, such as left padding) serves sliding-window
+        evaluation.
         """
         q_len = tokens.shape[1]
         mem_len = 0 if memory is None else memory["states"].shape[2]
@@ -89,6 +90,8 @@ class LanguageModel(nnx.Module):
         layout = Layout.with_memory(q_len, mem_len, self.causal)
         if memory is not None:
             filled_keys = masks.memory_key_valid(mem_len, q_len, memory["filled"])
+            if key_valid is not None:  # the segment's keys; the memory's are by `filled`
+                key_valid = jnp.pad(key_valid, ((0, 0), (mem_len, 0)), constant_values=True)
             key_valid = filled_keys if key_valid is None else key_valid & filled_keys
         mask = self._mask(layout, key_valid, structured=True)
         positional = BoundScheme.bind(self.positional, layout)
