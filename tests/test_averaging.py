@@ -2,6 +2,7 @@
 through eval.py --average_last and average.py's averaged workdir."""
 
 import json
+import logging
 
 import jax
 import numpy as np
@@ -53,8 +54,14 @@ def test_average_is_the_mean_of_the_checkpoints(saved):
         np.testing.assert_array_equal(value, flat(read_state(saved.workdir, 9)["params"])[name])
 
 
-def test_steps_to_average_end_at_a_step_and_name_what_is_kept(saved):
-    assert steps_to_average(saved, 2, until=9) == [6, 9]
+def test_steps_to_average_end_at_a_step_and_name_what_is_kept(saved, caplog):
+    saved.config.train.checkpoint_every = 3
+    with caplog.at_level(logging.WARNING):
+        assert steps_to_average(saved, 2, until=9) == [6, 9]
+        assert not caplog.records
+        saved.config.train.checkpoint_every = 2  # (as if a signal had saved 3, 6, 9 and 12)
+        steps_to_average(saved, 2, until=9)
+    assert "the checkpoints averaged, [6, 9], are not train.checkpoint_every=2" in caplog.text
     with pytest.raises(
         ValueError, match=r"needs 5, .* holds 4 .*\[3, 6, 9, 12\].*keep_checkpoints"
     ):

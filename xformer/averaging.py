@@ -3,6 +3,7 @@
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
 from xformer.experiment import Experiment
@@ -25,7 +26,14 @@ def steps_to_average(exp: Experiment, last: int, until: int | None = None) -> li
             f"{len(kept)} up to that step ({kept or 'none'}); train with a larger "
             f"train.keep_checkpoints (this run kept {exp.config.train.keep_checkpoints})"
         )
-    return kept[-last:]
+    steps, every = kept[-last:], exp.config.train.checkpoint_every
+    if any(b - a != every for a, b in zip(steps, steps[1:], strict=False)):
+        logging.warning(  # e.g. a checkpoint a signal saved, or the last one, at another step
+            "the checkpoints averaged, %s, are not train.checkpoint_every=%d steps apart",
+            steps,
+            every,
+        )
+    return steps
 
 
 def average_params(exp: Experiment, steps: list[int]) -> nnx.State:
