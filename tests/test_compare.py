@@ -239,6 +239,11 @@ def test_runs_that_differ_only_by_seed_are_grouped(tmp_path):
     assert "### Over seeds" in markdown
     assert "| 0.001 | 4 | " in markdown and "30.81 ± 1.28 (n=4) best" in markdown
     assert "30.00 ± 0.28 (n=2) ≈" in markdown and "30.50 (n=1) |" in markdown
+    bpc = compare.SeedGroup(
+        {}, ["a", "b", "c"], {"bpc": (1.75123, 0.00314, 3), "one": (1.2, None, 1)}
+    )
+    assert compare._stat_cell(bpc, "bpc") == "1.7512 ± 0.0031 (n=3)"  # not "1.75 ± 0.00"
+    assert compare._stat_cell(bpc, "one") == "1.2000 (n=1)"
     paths = compare.write(result, str(tmp_path / "out"))
     table = list(csv.DictReader(io.StringIO(Path(paths["seeds_csv"]).read_text())))
     assert table[1]["runs"] == "lr0.002_s0;lr0.002_s1"

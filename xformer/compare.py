@@ -395,7 +395,11 @@ def _stat_cell(group: SeedGroup, column: str) -> str:
     if column not in group.stats:
         return ""
     mean, std, n = group.stats[column]
-    cell = f"{mean:.2f}" if std is None else f"{mean:.2f} ± {std:.2f}"
+    if std is None:
+        cell = f"{mean:.2f}" if abs(mean) >= 10 else f"{mean:.4f}"
+    else:  # two significant digits of the spread, at least two decimals (bpc: 1.7512 ± 0.0031)
+        places = 2 if not std > 0 else max(2, 1 - math.floor(math.log10(std)))
+        cell = f"{mean:.{places}f} ± {std:.{places}f}"
     cell += f" (n={n})"
     if group.best.get(column):
         cell += " best"
