@@ -29,7 +29,7 @@ class ToyLM:
     ``table[key(prefix), position]``, a pure lookup, so the numpy reference is bit-exact.
     """
 
-    def __init__(self, seed, vocab, max_len, eos_bias=0.0, quantize=None):
+    def __init__(self, seed, vocab, max_len, eos_bias=0.0, quantize=None, dtype=np.float32):
         rng = np.random.default_rng(seed)
         logits = rng.normal(size=(NUM_STATES, max_len, vocab)) * 2.0
         logits[..., PAD] -= 30.0  # the pad token is a (very unlikely) regular token
@@ -37,7 +37,7 @@ class ToyLM:
         logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         if quantize is not None:  # coarse grid -> many exact ties
             logp = np.minimum(np.round(logp / quantize) * quantize, 0.0)
-        self.table = logp.astype(np.float32)
+        self.table = logp.astype(dtype)
         self.weights = rng.integers(1, 13, size=max_len)
         self.vocab, self.max_len = vocab, max_len
 
@@ -207,6 +207,32 @@ def test_exhaustive_beam_matches_brute_force(beam_size, alpha):
         best = max(ref, key=ref.get)
         assert ref_sorted[0] - ref_sorted[1] > 1e-4  # unambiguous best for this seed
         assert seqs[0] == best
+
+
+def test_a_float64_model_is_searched_in_float64():
+    """Scores in float64, exact to 1e-12 against the brute force (no float32 step); greedy
+    ranks two tokens that float32 cannot tell apart."""
+    batch, vocab, max_len, alpha = 2, 4, 3, 0.6
+    with jax.enable_x64(True):
+        lm = ToyLM(21, vocab=vocab, max_len=max_len, dtype=np.float64)
+        cache = lm.init_cache(batch, 22)
+        tokens, scores = beam_search(lm.step_fn, cache, batch, 3, max_len, BOS, EOS, alpha=alpha)
+        assert scores.dtype == np.float64
+        s0 = np.asarray(cache["state"])
+        for b in range(batch):
+            ref = brute_force(lm, s0[b], max_len, alpha)
+            for k in range(3):
+                seq = strip(np.asarray(tokens)[b, k])
+                np.testing.assert_allclose(float(scores[b, k]), ref[seq], rtol=1e-12, atol=1e-12)
+
+        def close_call(tokens, cache, index):  # token 2 beats token 1 by 1e-12 (nat)
+            log_probs = jnp.log(jnp.asarray([0.1, 0.3, 0.3 + 1e-12, 0.3 - 1e-12]))
+            return jnp.broadcast_to(log_probs, (tokens.shape[0], 4)), cache
+
+        out = greedy_search(close_call, jnp.int32(0), 1, 2, BOS, EOS)
+        assert np.asarray(out).tolist() == [[2, 2]]
+        beam, _ = beam_search(close_call, jnp.int32(0), 1, 1, 2, BOS, EOS)
+        assert np.asarray(beam).tolist() == [[[2, 2]]]
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])

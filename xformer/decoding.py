@@ -48,6 +48,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from xformer.precision import at_least_float32
+
 Cache = Any
 StepFn = Callable[[jax.Array, Cache, jax.Array], tuple[jax.Array, Cache]]
 
@@ -57,10 +59,10 @@ NEG_INF = -1.0e9
 _INVALID = 0.5 * NEG_INF
 
 
-def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
-    """GNMT length penalty ``((5 + L) / 6) ** alpha`` as float32 (``L`` includes EOS)."""
-    length = jnp.asarray(length, jnp.float32)
-    return ((5.0 + length) / 6.0) ** jnp.float32(alpha)
+def length_penalty(length: jax.Array | int, alpha: float, dtype=jnp.float32) -> jax.Array:
+    """GNMT length penalty ``((5 + L) / 6) ** alpha`` in ``dtype`` (``L`` includes EOS)."""
+    length = jnp.asarray(length, dtype)
+    return ((5.0 + length) / 6.0) ** jnp.asarray(alpha, dtype)
 
 
 def phase_sizes(max_len: int, first: int = 32) -> tuple[int, ...]:
@@ -201,7 +203,7 @@ def greedy_search(
     def body(state):
         t, tokens, last, finished, cache = state
         log_probs, cache = step_fn(last, cache, t)
-        nxt = jnp.argmax(log_probs.astype(jnp.float32), axis=-1).astype(jnp.int32)
+        nxt = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)  # (a widening cast ranks alike)
         nxt = jnp.where(finished, jnp.int32(pad_id), nxt)
         tokens = tokens.at[:, t].set(nxt)
         finished = finished | (nxt == eos_id) | (t + 1 >= limits)
@@ -267,7 +269,10 @@ def beam_search(
     phases = _check_phases(cache_phases, max_len, grow_cache)
     B, K, T = batch_size, beam_size, max_len
     limits = _row_limits(row_limits, B, max_len)
-    lp_max = length_penalty(limits, alpha)[:, None]  # [B, 1]: of each row's longest output
+    beams = expand_to_beams(cache, K)
+    step_out = jax.eval_shape(step_fn, jnp.zeros(B * K, jnp.int32), beams, jnp.int32(0))[0]
+    dtype = at_least_float32(step_out.dtype)  # scores: float32, or float64 for such a model
+    lp_max = length_penalty(limits, alpha, dtype)[:, None]  # [B, 1]: of each row's longest output
 
     def cond(state):
         t, *_, done, _ = state
@@ -280,7 +285,7 @@ def beam_search(
         t, last, alive_seqs, alive_scores, fin_seqs, fin_scores, done, cache = state
         log_probs, stepped = step_fn(last.reshape(B * K), cache, t)
         V = log_probs.shape[-1]
-        log_probs = jnp.maximum(log_probs.astype(jnp.float32), NEG_INF).reshape(B, K, V)
+        log_probs = jnp.maximum(log_probs.astype(dtype), NEG_INF).reshape(B, K, V)
 
         # Best 2K extensions: the top-2K overall contain at most 2K tokens per beam, so
         # take a per-beam top-c first (exact token order, ties -> lower id, like argmax).
@@ -296,7 +301,9 @@ def beam_search(
         # EOS extensions ranked among the K best become finished hypotheses.
         m = min(K, n)
         eos_ok = cand_eos[:, :m] & (cand_scores[:, :m] > _INVALID) & ~done[:, None]
-        eos_scores = jnp.where(eos_ok, cand_scores[:, :m] / length_penalty(t + 1, alpha), NEG_INF)
+        eos_scores = jnp.where(
+            eos_ok, cand_scores[:, :m] / length_penalty(t + 1, alpha, dtype), NEG_INF
+        )
         eos_seqs = _take(alive_seqs, cand_parent[:, :m]).at[:, :, t].set(eos_id)
 
         # The K best non-EOS extensions stay alive (at least K of the 2K are non-EOS).
@@ -322,7 +329,7 @@ def beam_search(
             # Descendants have summed log-prob <= the best alive one and length in
             # [t + 2, limit]; lp is monotone, so the best reachable score is at an endpoint.
             best = alive_scores[:, 0]
-            bound = jnp.maximum(best / length_penalty(t + 2, alpha), best / lp_max[:, 0])
+            bound = jnp.maximum(best / length_penalty(t + 2, alpha, dtype), best / lp_max[:, 0])
             done = done | (bound <= fin_scores[:, -1])
         done = done | (t + 1 >= limits)  # a row past its limit changes no more
         return t + 1, last, alive_seqs, alive_scores, fin_seqs, fin_scores, done, cache
@@ -331,11 +338,11 @@ def beam_search(
         jnp.int32(0),
         jnp.full((B, K), bos_id, jnp.int32),
         jnp.full((B, K, T), pad_id, jnp.int32),
-        jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1)),
+        jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), dtype), (B, 1)),
         jnp.full((B, K, T), pad_id, jnp.int32),
-        jnp.full((B, K), NEG_INF, jnp.float32),
+        jnp.full((B, K), NEG_INF, dtype),
         jnp.zeros((B,), bool),
-        expand_to_beams(cache, K),
+        beams,
     )
     state = _while_in_phases(cond, body, init, phases, grow_cache)
     return state[4], state[5]
