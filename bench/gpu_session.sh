@@ -71,8 +71,9 @@ started=$SECONDS
 
 left() { echo $((BUDGET_S - (SECONDS - started))); }
 
-note() {  # a line of the summary, printed as it goes
+note() {  # a line of the summary, printed as it goes; $OUT's copy survives a killed call
   echo "$*" | tee -a "$LOGS/summary.txt"
+  cp "$LOGS/summary.txt" "$OUT/summary.txt" 2>/dev/null || true
 }
 
 run() {  # name, needed seconds, command...: its output to <name>.log, under the time left
@@ -96,7 +97,7 @@ throughput() {  # step name, gpu_throughput.py arguments...: start no setting af
   local name="$1"
   shift
   run "$name" 110 "$PY" bench/gpu_throughput.py "${quick[@]}" --dtypes bfloat16 \
-    --budget-s "$(($(left) - 60))" --out "$LOGS/$name.json" --profile-dir "$LOGS/$name" "$@"
+    --budget-s "$(($(left) - 75))" --out "$LOGS/$name.json" --profile-dir "$LOGS/$name" "$@"
   # the status line, the table row, and the op profile's categories (its top ops: in the log)
   awk '/^\[ *[0-9]+s\]|^\| (wmt14|ptb_xl|wt103_xl) |^note|steps on|Error/ {print; next}
        /^\| category/ {cat = 1} cat && /^$/ {cat = 0} cat' "$LOGS/$name.log" 2>/dev/null |
@@ -108,12 +109,12 @@ cli=(--config.model.dtype=bfloat16 --config.model.attention_impl=fused
   --config.model.attention_dropout=0.0 "--config.train.num_steps=$STEPS" --config.train.log_every=50)
 
 step_facts() {
-  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv \
+  timeout 60 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv \
     2>&1 | tee -a "$LOGS/summary.txt"
-  "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
+  timeout 60 "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
     2>&1 | tail -n 1 | tee -a "$LOGS/summary.txt"
   # the device's own description, for bench/gpu_compile.py --target on machines without a GPU
-  "$PY" -c "import jax, sys; from jax._src.lib import xla_client as xc
+  timeout 60 "$PY" -c "import jax, sys; from jax._src.lib import xla_client as xc
 try: c = xc.get_topology_for_devices(jax.devices()).target_config; open(sys.argv[1], 'w').write(c)
 except Exception as e: print('no target config:', repr(e)[:200])" "$LOGS/target_config.txtpb" \
     2>&1 | tail -n 1 | tee -a "$LOGS/summary.txt"

@@ -299,9 +299,12 @@ class MultiHeadAttention(nnx.Module):
         if self.kind == "cross":
             q = self._heads(self.q_proj(x))[0]
             k, v = kv if kv is not None else self.project_kv(encoded)
-        elif memory is not None:
+        elif memory is not None:  # projected apart: the memory needs no input gradient
             q = self._heads(self.q_proj(x))[0]
-            k, v = self.project_kv(jnp.concatenate([memory, x], axis=1))
+            k, v = (
+                jnp.concatenate(pair, axis=1)
+                for pair in zip(self.project_kv(memory), self.project_kv(x), strict=True)
+            )
         else:
             q, k, v = self._qkv(x)
         if positional is not None:

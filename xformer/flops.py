@@ -3,7 +3,8 @@
 MFU = model FLOPs of a step x steps/s / (devices x the device's dense bfloat16 peak). Model FLOPs
 count the work the model needs, whatever the program executes: 6 per multiply-add of every
 matmul of the forward pass over every position of the batch (2 forward, 4 backward; 4 for
-Transformer-XL's projection of the relative encodings, a constant with no gradient), padding
+Transformer-XL's projection of the relative encodings and its memory's keys and values,
+constants with no input gradient), padding
 included, attention scores and weighted values over the full [queries, keys] grid (masks do
 not reduce it), and no recomputation (`model.remat` raises the executed FLOPs, which XLA's cost
 analysis counts, not the model FLOPs; so are the adaptive softmax's padding rows, which only
@@ -88,7 +89,7 @@ def train_step_flops(cfg: StackConfig, rows: int, length: int) -> StepFlops:
         macs = encoder * cfg.num_encoder_layers + decoder * cfg.num_decoder_layers + output
     elif isinstance(cfg, LMConfig):
         causal = not masks.MASK_SCHEMES[cfg.decoder_mask].sees_later_keys  # (prefix_lm: not)
-        layer = _self_attention(cfg, rows, length, length + cfg.mem_len, causal) + _ffn(cfg, pos)
+        layer = _self_attention(cfg, rows, length, length, causal, cfg.mem_len) + _ffn(cfg, pos)
         macs = layer * cfg.num_layers + _Macs(weights=_adaptive_macs(cfg, pos))
     else:
         raise TypeError(f"no FLOP count for {type(cfg).__name__}")
@@ -119,21 +120,25 @@ def _ffn(cfg: StackConfig, positions: int) -> _Macs:
 
 
 def _self_attention(
-    cfg: StackConfig, rows: int, queries: int, keys: int, causal: bool = True
+    cfg: StackConfig, rows: int, queries: int, keys: int, causal: bool = True, memory: int = 0
 ) -> _Macs:
     """One self-attention layer: q and output projections over the queries, k and v over the
-    keys (memory included); with relative positions also the sinusoid of every distance through
-    W_kR and (q + v) . R for every (query, distance): keys distances in a causal stack, keys +
-    queries - 1 (both signs) in an encoder or where queries see later keys (prefix_lm)."""
+    keys and over the `memory` positions (a constant input: no input gradient), attention over
+    both; with relative positions also the sinusoid of every distance through W_kR and
+    (q + v) . R for every (query, distance): keys + memory distances in a causal stack, keys +
+    memory + queries - 1 (both signs) in an encoder or where queries see later keys
+    (prefix_lm)."""
     d = cfg.d_model
     weights = rows * queries * 2 * d * d + rows * keys * 2 * d * d
+    memory_kv = rows * memory * 2 * d * d
+    keys += memory
     attention = rows * queries * keys * 2 * d
     if cfg.positional != "relative":
-        return _Macs(weights=weights, attention=attention)
+        return _Macs(weights=weights, constant_inputs=memory_kv, attention=attention)
     distances = keys if causal else keys + queries - 1
     return _Macs(
         weights=weights,
-        constant_inputs=distances * d * d,
+        constant_inputs=memory_kv + distances * d * d,
         attention=attention + rows * queries * distances * d,
     )
 
