@@ -425,6 +425,14 @@ def test_empty_lines_are_kept(tmp_path):
         ({"train.label_smoothing": 0.1}, r"label_smoothing=0.1 is for translation"),
         ({"model.positional": "t5_bias", "model.relative_buckets": 2}, r"relative_buckets >= 4"),
         ({"model.positional": "alibi", "model.untie_relative_biases": True}, r"not 'alibi'"),
+        (
+            {"model.positional": "rope", "model.relative_buckets": 64},
+            r"relative_buckets and .* are",
+        ),
+        (
+            {"model.positional": "alibi", "model.rope_base": 500.0},
+            r"model.rope_base is for model.positional='rope', not 'alibi'",
+        ),
     ],
 )
 def test_incompatible_language_model_options(overrides, message):

@@ -6,6 +6,7 @@ segments, forward and backward. Output and gradients must equal the einsum refer
 query that sees a key, the others must be zeros, and xformer's batches must meet the mode's
 contract (ascending contiguous runs, no empty side)."""
 
+import dataclasses
 import sys
 
 import jax
@@ -232,6 +233,8 @@ def test_what_packed_mode_cannot_serve_takes_the_mask_path(pretend_gpu, monkeypa
     assert "window" in cudnn_packed.unsupported(windowed, None)
     whole_rows = masks.StructuredMask(structured.dense, None, None, causal=True)
     assert "no packed rows" in cudnn_packed.unsupported(whole_rows, None)
+    one_slot = dataclasses.replace(structured, max_segments=1)
+    assert "max_pairs_per_row=1" in cudnn_packed.unsupported(one_slot, None)
     assert cudnn_packed.unsupported(structured, None) is None
 
 

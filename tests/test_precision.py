@@ -812,6 +812,16 @@ def test_add_bias_sums_a_float32_bias_gradient_in_float32():
     assert dx.dtype == jnp.bfloat16 and db.dtype == jnp.float32
     np.testing.assert_array_equal(dx, g)
     np.testing.assert_allclose(db, np.asarray(g, np.float64).sum(0), rtol=1e-6)
+    # A bfloat16 bias (model.param_dtype="bfloat16") too: summed in float32, rounded once (in
+    # the program: XLA:CPU happens to widen a bfloat16 sum itself, XLA:GPU's split sums do not)
+    b16 = b.astype(jnp.bfloat16)
+    _, vjp16 = jax.vjp(precision.add_bias, x, b16)
+    sums = [e for e in jax.make_jaxpr(vjp16)(g).eqns if e.primitive.name == "reduce_sum"]
+    assert [str(e.outvars[0].aval.dtype) for e in sums] == ["float32"]
+    db16 = vjp16(g)[1]
+    assert db16.dtype == jnp.bfloat16
+    expected = np.asarray(g, np.float64).sum(0)
+    np.testing.assert_allclose(np.asarray(db16, np.float64), expected, rtol=2**-8)  # one rounding
 
 
 @pytest.mark.parametrize("layer", ["linear", "projections", "projections split"])

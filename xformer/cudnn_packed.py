@@ -36,6 +36,8 @@ def unsupported(mask, bias: jax.Array | None) -> str | None:
         return "the positional scheme adds a bias to the logits"
     if mask.window:
         return "a sliding window"
+    if mask.max_segments == 1:  # jax then ignores the offsets (padding mode, -1 lengths)
+        return "one pair a row (data.max_pairs_per_row=1): jax packs 2 segment slots or more"
     try:
         _private_call()
     except (ImportError, AttributeError) as error:

@@ -57,9 +57,10 @@ wide_einsum.defvjp(_wide_einsum_fwd, _wide_einsum_bwd)
 @jax.custom_vjp
 def add_bias(x: jax.Array, b: jax.Array) -> jax.Array:
     """x [..., *b.shape] + b in x's dtype, with b's gradient summed over x's leading axes in
-    b's dtype: a float32 bias of a bfloat16 layer accumulates in float32, where autodiff sums
-    the bfloat16 cotangent into a bfloat16 result (4,096 rows of ~1: 4,096 on XLA:CPU, for a
-    float32 sum of 4,090-4,104), and XLA:GPU's split reductions round partial sums too."""
+    float32 or wider and cast once to b's dtype: a float32 bias of a bfloat16 layer accumulates
+    in float32, where autodiff sums the bfloat16 cotangent into a bfloat16 result (4,096 rows
+    of ~1: 4,096 on XLA:CPU, for a float32 sum of 4,090-4,104), and XLA:GPU's split reductions
+    round partial sums too."""
     return x + b.astype(x.dtype)
 
 
@@ -68,7 +69,8 @@ def _add_bias_fwd(x, b):
 
 
 def _add_bias_bwd(b, g):
-    return g, g.astype(b.dtype).sum(tuple(range(g.ndim - b.ndim)))
+    wide = at_least_float32(jnp.result_type(g, b))  # (a bfloat16 bias: summed in float32 too)
+    return g, g.sum(tuple(range(g.ndim - b.ndim)), dtype=wide).astype(b.dtype)
 
 
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)

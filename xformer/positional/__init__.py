@@ -35,6 +35,7 @@ def check_config(cfg: Any) -> None:
         changed = [k for k in other.own_options if getattr(cfg, k) != defaults[k]]
         if other is not scheme and changed:
             keys = " and ".join(f"model.{k}" for k in other.own_options)
+            verb = "is" if len(other.own_options) == 1 else "are"
             raise ValueError(
-                f"{keys} are for model.positional={other.name!r}, not {cfg.positional!r}"
+                f"{keys} {verb} for model.positional={other.name!r}, not {cfg.positional!r}"
             )

@@ -24,6 +24,7 @@ def rotate(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Arr
 
 class RotaryPositions(PositionalScheme):
     name = "rope"
+    own_options = ("rope_base",)
 
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.check_config(cfg)

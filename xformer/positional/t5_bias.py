@@ -37,6 +37,7 @@ def relative_bucket(
 
 class T5RelativeBias(PositionalScheme):
     name = "t5_bias"
+    own_options = ("relative_buckets", "relative_max_distance")
 
     def __init__(self, cfg, num_layers: int, *, rngs: nnx.Rngs):
         self.check_config(cfg)
