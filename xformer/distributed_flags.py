@@ -31,7 +31,7 @@ def initialize_if_requested(training: bool) -> None:
         distributed.initialize(
             COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, training=training
         )
-    elif any(f.present for f in (COORDINATOR, NUM_PROCESSES, PROCESS_ID)):
+    elif given():
         raise app.UsageError(
             "--coordinator_address, --num_processes, --process_id need --distributed"
         )
