@@ -6,6 +6,10 @@
 The README's 1.758 test bpc is with the training memory of 150; a 450-state memory
 (`--mem_len=450 --clamp_len=299 --decoder_mask=same_length`) scored worse on valid there.
 
+The README's run read ../shared/data/ptb_char, whose training file is derived from word-level
+PTB by the rule that reproduces the upstream valid and test files (its SOURCE.md); online users
+download the upstream files instead.
+
 The 50 symbols are the characters, "_" (word boundary) and <eos> (line end), each one token.
 Trains for 1,900 steps (the README's run had a 25-minute limit on one core of the 2-core CPU,
 which stopped it at step 1,642).

@@ -8,10 +8,11 @@ reference machine (README.md).
 Segments of 70 tokens attend over a memory of 70 cached states per layer during training; the
 evaluation memory can be longer than the training one. Variants (`--config=configs/ptb_xl.py:
 vanilla`, joined by commas):
-- vanilla: the paper's baseline, the same model with absolute sinusoidal positions and no
-  memory, for 6,600 steps, about as many as fit in those 60 minutes (56.5 measured; memoryless
-  steps are ~1.2x faster);
-  evaluate it with `--sliding_stride=1` too;
+- vanilla: a memoryless baseline of the same size, in the spirit of the paper's vanilla model
+  (Al-Rfou et al. 2018, which adds learned positions at every layer and auxiliary losses): here
+  sinusoidal positions at the input only and no memory, for 6,600 steps, about as many as fit
+  in those 60 minutes (56.5 measured; memoryless steps are ~1.2x faster); evaluate it with
+  `--sliding_stride=1` too;
 - rope, t5_bias, alibi, none: recurrence with another positional scheme;
 - short: 750 steps (about 8 minutes) for sweeps.
 See README.md for the perplexities.

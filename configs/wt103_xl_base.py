@@ -6,9 +6,9 @@
 
 Settings of the paper's PyTorch `run_wt103_base.sh`: 16 layers, d_model 410, 10 heads, d_ff
 2100, segments of 150 tokens with 150 cached states, adaptive input and softmax with cutoffs
-20k/40k/200k (tied weights, projections tied after the head), Adam 2.5e-4 with cosine decay
-over 200k steps, batch 60, gradient clipping 0.25, dense kernels drawn from N(0, 0.02). The
-paper reports 24.0 test perplexity.
+20k/40k/200k (tied weights; at div_val 1 no cluster has a projection to tie), Adam 2.5e-4
+with cosine decay over 200k steps, batch 60, gradient clipping 0.25, dense kernels drawn from
+N(0, 0.02). The paper reports 24.0 test perplexity.
 """
 
 from xformer.config import lm_base_config
@@ -27,7 +27,7 @@ def get_config():
     c.model.init_std = 0.02  # the reference's dense kernels: N(0, 0.02)
     c.model.adaptive_cutoffs = (20000, 40000, 200000)
     c.model.div_val = 1
-    c.model.tie_projs = (False, True, True, True)
+    c.model.tie_projs = (False, True, True, True)  # as the reference; inert at div_val 1
     # Each tail is scored on 15% of the positions (a Zipf(1.1) stream puts 3-7% of targets in
     # each); a batch with more is scored densely, so the loss is exact either way.
     c.model.adaptive_capacity = 0.15
