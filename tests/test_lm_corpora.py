@@ -440,11 +440,14 @@ def test_word_vocab_order_unk_and_save(tmp_path):
 
 
 def test_word_vocab_max_size_keeps_eos_and_adds_unk():
-    lines = ["a a a a b b b c c d", "e"]
+    """<unk> stands for the dropped tokens and takes their count's place in the frequency
+    order (adaptive softmax's clusters assume ids sorted by frequency)."""
+    lines = ["a a a a b b b c c d", "e f f"]  # drops c, d, e, f: <unk> counts 2 + 1 + 1 + 2
     vocab = WordVocab.build(lines, max_size=4)
-    assert vocab.tokens == ("a", "b", EOS, UNK)
-    assert vocab.encode(["d a"]).tolist() == [3, 0, 2]
-    assert WordVocab.build(lines, max_size=100).size == 6  # no truncation, no <unk>
+    assert vocab.tokens == (UNK, "a", "b", EOS)
+    assert vocab.encode(["d a"]).tolist() == [0, 1, 3]
+    assert WordVocab.build(["a a b <unk> c c"], max_size=3).tokens == (UNK, "a", EOS)
+    assert WordVocab.build(lines, max_size=100).size == 7  # no truncation, no <unk>
     assert build_vocab(corpus_info("lm1b"), lines, max_size=4).tokens == vocab.tokens
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,8 +50,8 @@ def _token_chunks(lines: Sequence[str]) -> Iterable[list[str]]:
         yield (separator.join(chunk) + separator).split()
 
 
-def _by_frequency(counts: collections.Counter) -> list:
-    # Counter keeps first-appearance order and `sorted` is stable, so ties keep it.
+def _by_frequency(counts: Mapping) -> list:
+    # Counters and dicts keep insertion order and `sorted` is stable, so ties keep it.
     return [key for key, _ in sorted(counts.items(), key=lambda item: -item[1])]
 
 
@@ -121,7 +121,8 @@ class WordVocab(SymbolVocab):
 
         With ``max_size`` > 0 only the most frequent tokens are kept so that the
         size is at most ``max_size``; if tokens are dropped, ``<eos>`` and
-        ``<unk>`` are kept (``<unk>`` is added last if the text lacks it).
+        ``<unk>`` are kept, ``<unk>`` counted as every dropped token, so that ids
+        stay in descending frequency (adaptive softmax's clusters rely on it).
         """
         counts: collections.Counter[str] = collections.Counter()
         for tokens in _token_chunks(lines):
@@ -131,11 +132,12 @@ class WordVocab(SymbolVocab):
         if max_size and len(ordered) > max_size:
             if max_size < 2:
                 raise ValueError(f"max_size must be at least 2 ({EOS}, {UNK}), got {max_size}")
-            others = (t for t in ordered if t not in (EOS, UNK))
-            kept = set(itertools.islice(others, max_size - 2))
-            ordered = [t for t in ordered if t in kept or t in (EOS, UNK)]
-            if UNK not in counts:
+            others = [t for t in ordered if t not in (EOS, UNK)]
+            kept = set(others[: max_size - 2])
+            counts[UNK] += sum(counts[t] for t in others[max_size - 2 :])
+            if UNK not in ordered:
                 ordered.append(UNK)
+            ordered = _by_frequency({t: counts[t] for t in ordered if t in kept or t in (EOS, UNK)})
         return cls(ordered)
 
     def __contains__(self, token: str) -> bool:
