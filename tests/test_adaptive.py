@@ -290,39 +290,34 @@ def test_jit_traces_once_with_static_shapes():
 
 
 @pytest.mark.parametrize(
-    "cutoffs, div_val, d_embed",
-    [((10, 10), 1, 16), ((0, 10), 1, 16), ((10, 50), 1, 16), ((10, 25), 8, 16)],
+    "cutoffs, div_val, d_embed, error",
+    [
+        ((10, 10), 1, 16, "must increase strictly"),
+        ((0, 10), 1, 16, "must increase strictly"),
+        ((10, 50), 1, 16, "must increase strictly"),
+        ((10, 25), 8, 16, "leave an empty cluster"),
+    ],
 )
-def test_bad_layouts_raise(cutoffs, div_val, d_embed):
-    with pytest.raises(ValueError):
-        AdaptiveEmbedding(ClusterLayout.make(V, d_embed, 16, cutoffs, div_val), rngs=_rngs())
-    with pytest.raises(ValueError):
-        AdaptiveLogSoftmax(ClusterLayout.make(V, d_embed, 16, cutoffs, div_val), rngs=_rngs())
+def test_bad_layouts_raise(cutoffs, div_val, d_embed, error):
+    with pytest.raises(ValueError, match=error):
+        ClusterLayout.make(V, d_embed, 16, cutoffs, div_val)
 
 
 def test_tying_needs_a_matching_embedding():
     emb = AdaptiveEmbedding(ClusterLayout.make(V, 16, 12, CUTOFFS, 2), rngs=_rngs())
-    with pytest.raises(ValueError):
-        AdaptiveLogSoftmax(
-            ClusterLayout.make(V, 16, 12, CUTOFFS, 1), rngs=_rngs(), tie_embedding=emb
-        )
-    with pytest.raises(ValueError):
-        AdaptiveLogSoftmax(
-            ClusterLayout.make(V, 16, 12, CUTOFFS, 2), rngs=_rngs(), tie_projs=(True,) * 4
-        )
-    with pytest.raises(ValueError):
-        AdaptiveLogSoftmax(
-            ClusterLayout.make(V, 16, 12, CUTOFFS, 2),
-            rngs=_rngs(),
-            tie_embedding=emb,
-            tie_projs=(True,),
-        )
+    layout, other_layout = (ClusterLayout.make(V, 16, 12, CUTOFFS, d) for d in (2, 1))
+    with pytest.raises(ValueError, match="different vocabulary/cluster layout"):
+        AdaptiveLogSoftmax(other_layout, rngs=_rngs(), tie_embedding=emb)
+    with pytest.raises(ValueError, match="tie_projs needs tie_embedding"):
+        AdaptiveLogSoftmax(layout, rngs=_rngs(), tie_projs=(True,) * 4)
+    with pytest.raises(ValueError, match="one entry per cluster"):
+        AdaptiveLogSoftmax(layout, rngs=_rngs(), tie_embedding=emb, tie_projs=(True,))
 
 
 def test_capacity_must_be_a_fraction():
     layout = ClusterLayout.make(V, 16, 12, CUTOFFS, 2)
     for capacity in (-0.1, 1.5):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="capacity must lie in"):
             AdaptiveLogSoftmax(layout, rngs=_rngs(), capacity=capacity)
 
 

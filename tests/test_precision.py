@@ -85,9 +85,14 @@ def test_fully_masked_queries_give_finite_outputs_in_half_precision():
         for implementation in ("xla", "fused"):
             out = dot_product_attention(q, k, v, mask, implementation=implementation)
             assert out.dtype == dtype and np.isfinite(np.asarray(out, np.float32)).all()
-            np.testing.assert_allclose(  # the fully masked query averages the values
-                np.asarray(out[0, 1], np.float32), np.asarray(v[0], np.float32).mean(0), atol=2e-2
-            )
+            got, v64 = np.asarray(out[0], np.float64), np.asarray(v[0], np.float64)  # [L, H, D]
+            np.testing.assert_allclose(got[1], v64.mean(0), atol=2e-2)  # fully masked: the mean
+            np.testing.assert_allclose(got[0], v64[0], atol=2e-2)  # sees key 0 alone
+            q64, k64 = np.asarray(q[0, 2], np.float64), np.asarray(k[0], np.float64)
+            logits = np.einsum("hd,khd->hk", q64, k64) / np.sqrt(8)  # query 2 sees every key
+            probs = np.exp(logits - logits.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            np.testing.assert_allclose(got[2], np.einsum("hk,khd->hd", probs, v64), atol=2e-2)
 
 
 # Float64 end to end ----------------------------------------------------------------------------
