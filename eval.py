@@ -323,12 +323,13 @@ def evaluate_language_model(config, workdir: str, tag: str) -> tuple[dict, str]:
 
 
 def read_translation_input() -> tuple[list[str], list[str] | None]:
-    """--input's lines and --reference's (or None), by the line contract of data/text.py;
-    raises ValueError when the line counts differ."""
+    """--input's lines and --reference's (or None), by the line contract of data/text.py (the
+    references' text as written, as sacreBLEU and a split's references are scored); raises
+    ValueError when the line counts differ."""
     sources = read_input_lines(_INPUT.value)
     if not _REFERENCE.value:
         return sources, None
-    references = read_input_lines(_REFERENCE.value)
+    references = read_input_lines(_REFERENCE.value, normalize=False)
     if len(sources) != len(references):
         raise ValueError(
             f"Parallel files have different line counts: {_INPUT.value} has {len(sources)} "

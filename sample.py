@@ -32,7 +32,7 @@ from xformer import config as config_lib
 from xformer import experiment as experiment_lib
 from xformer.checkpoint import CheckpointShapeError
 from xformer.data.errors import DataError
-from xformer.data.text import read_text_lines
+from xformer.data.text import read_input_lines
 from xformer.files import check_output_file, write_json
 from xformer.generate import (
     Sampling,
@@ -68,7 +68,7 @@ def read_prompt() -> str:
     if _PROMPT.value is not None and _PROMPT_FILE.value is not None:
         raise ValueError("give --prompt or --prompt_file, not both")
     if _PROMPT_FILE.value is not None:
-        return "\n".join(read_text_lines(_PROMPT_FILE.value))  # no final line break
+        return "\n".join(read_input_lines(_PROMPT_FILE.value, normalize=False))  # no final break
     return _PROMPT.value or ""
 
 

@@ -12,6 +12,7 @@ import pytest
 from xformer import config as config_lib
 from xformer.data.text import read_parallel_files, read_text_lines
 from xformer.experiment import save_config
+from xformer.files import check_output_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -515,3 +516,13 @@ def test_adaptive_cutoffs_beyond_the_vocabulary(tmp_path):
     message = "train.py: model.adaptive_cutoffs=(2000, 20000) must be below the vocabulary size"
     assert f"{message} 10000 of ptb" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_output_path_naming_a_directory_is_refused_before_any_compute(tmp_path):
+    """A path ending in a separator names a directory even when none exists yet (the folder
+    check passed and the write failed after translating everything)."""
+    for path in (str(tmp_path), f"{tmp_path}/not_yet/"):
+        with pytest.raises(IsADirectoryError, match=f"--output={path} is a directory, not a file"):
+            check_output_file(path, "--output")
+    check_output_file(str(tmp_path / "not_yet" / "out.de"), "--output")  # makes its folder
+    assert (tmp_path / "not_yet").is_dir()

@@ -96,3 +96,28 @@ def test_lc_tok_bleu_is_multi_bleu(multi30k_dir):
         assert bleu_report(hyps, refs, "de").lc_tok_bleu == pytest.approx(want, rel=1e-9)
     assert bleu_report(no_bigrams, refs, "de").lc_tok_bleu == 0.0
     assert 0 < multi_bleu([moses_lc_tok(h, "de") for h in halves], tok_refs) < 100
+
+
+def test_sacrebleu_tokenizes_for_the_target_language():
+    """Chinese is scored with sacreBLEU's zh tokenizer (13a sees one word per sentence here and
+    scores 0), the same score sacreBLEU gives when told the language."""
+    hyps, refs = ["我喜欢猫。", "今天天气很好。"], ["我喜欢狗。", "今天天气很好。"]
+    report = bleu_report(hyps, refs, "zh")
+    want = sacrebleu.BLEU(tokenize="zh").corpus_score(hyps, [refs])
+    assert "tok:zh" in report.signature and report.sacrebleu == pytest.approx(want.score)
+    assert 0 < report.sacrebleu < 100
+    assert "tok:13a" in bleu_report(["ein Hund ."], ["ein Hund ."], "de").signature
+
+
+def test_a_target_language_without_its_bleu_tokenizer_is_a_config_error():
+    from xformer import config as config_lib
+
+    try:
+        sacrebleu.BLEU(trg_lang="ja")
+        pytest.skip("sacrebleu's Japanese tokenizer (MeCab) is installed")
+    except RuntimeError:
+        pass
+    config = config_lib.base_config()
+    config.data.source_lang, config.data.target_lang = "en", "ja"
+    with pytest.raises(ValueError, match=r"data.target_lang='ja': .*pip install sacrebleu\[ja\]"):
+        config_lib.validate(config)

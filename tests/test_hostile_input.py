@@ -85,8 +85,23 @@ def test_read_input_lines(tmp_path, data, expected):
     path = tmp_path / "in.txt"
     path.write_bytes(data)
     assert read_input_lines(path) == expected
+    assert len(read_input_lines(path, normalize=False)) == len(expected)
     path.write_bytes(gzip.compress(data))
     assert read_input_lines(path) == expected
+
+
+def test_references_and_prompts_keep_their_text(tmp_path):
+    """normalize=False: the same lines (BOM and line endings dropped), each line's text as
+    written, as sacreBLEU scores a reference file (eval.py --reference) and a prompt reads."""
+    path = tmp_path / "ref.de"
+    path.write_bytes("\ufeffFahr\u00adrad  fährt\r\n\tlone\rcr\n\u200b\nlast".encode())
+    assert read_input_lines(path, normalize=False) == [
+        "Fahr\u00adrad  fährt",
+        "\tlone\rcr",
+        "\u200b",
+        "last",
+    ]
+    assert read_input_lines(path) == ["Fahrrad fährt", "lone cr", "", "last"]
 
 
 def test_ten_thousand_empty_lines(tmp_path):

@@ -13,7 +13,7 @@ import sacrebleu
 
 @dataclasses.dataclass(frozen=True)
 class BleuReport:
-    sacrebleu: float  # cased, detokenized, sacreBLEU default 13a tokenization
+    sacrebleu: float  # cased, detokenized, sacreBLEU's default tokenizer of the target language
     signature: str
     lc_tok_bleu: float  # lowercased + Moses-tokenized, as in Multi30k papers
 
@@ -39,11 +39,21 @@ def moses_lc_tok(line: str, lang: str) -> str:
     return tokenizer.tokenize(text, escape=True, return_str=True)
 
 
+def sacrebleu_metric(lang: str) -> sacrebleu.BLEU:
+    """sacreBLEU's BLEU with its default tokenizer for target language `lang`: 13a, or zh /
+    ja-mecab / ko-mecab for Chinese, Japanese and Korean. Raises ValueError when that tokenizer's
+    extra packages are missing (call it before training or translating)."""
+    try:
+        return sacrebleu.BLEU(trg_lang=lang)
+    except RuntimeError as e:  # e.g. MeCab for Japanese: "pip install sacrebleu[ja]"
+        raise ValueError(f"BLEU for target language {lang!r}: {' '.join(str(e).split())}") from None
+
+
 def bleu_report(hypotheses: list[str], references: list[str], lang: str) -> BleuReport:
     """Corpus BLEU of detokenized hypotheses against raw references (one per line)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses vs {len(references)} references")
-    metric = sacrebleu.BLEU()
+    metric = sacrebleu_metric(lang)
     cased = metric.corpus_score(hypotheses, [references])
     # multi-bleu.perl has no smoothing: an n-gram order without matches makes BLEU 0.
     tok = sacrebleu.BLEU(tokenize="none", smooth_method="none", force=True).corpus_score(

@@ -301,8 +301,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"data.max_train_length={d.max_train_length} exceeds the learned position table "
             f"model.max_len={m.max_len}"
         )
-    if d.source_lang == d.target_lang and m.family == "encoder_decoder":
-        raise ValueError("data.source_lang and data.target_lang must differ")
+    if m.family == "encoder_decoder":
+        if d.source_lang == d.target_lang:
+            raise ValueError("data.source_lang and data.target_lang must differ")
+        from xformer.bleu import sacrebleu_metric  # imported for translation configs only
+
+        try:  # e.g. Japanese needs MeCab: fail now, not after training
+            sacrebleu_metric(d.target_lang)
+        except ValueError as e:
+            raise ValueError(f"data.target_lang={d.target_lang!r}: {e}") from None
     other = _OTHER[m.family]
     for key in FAMILY_KEYS[other]:
         if not same_value(given[key], schema[key]):

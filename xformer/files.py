@@ -7,10 +7,12 @@ from typing import Any
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write, then rename: readers such as the sweep runner never see half a file."""
-    with open(path + ".tmp", "w") as f:
+    """Write, then rename: readers such as the sweep runner never see half a file (the
+    temporary name is the writer's own, so two writers of one file do not mix their parts)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, default=float)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def read_json(path: str) -> Any:
@@ -54,7 +56,7 @@ def check_writable(directory: str, what: str) -> None:
 
 def check_output_file(path: str, flag: str) -> None:
     """Raise OSError naming `flag` when the file `path` could not be written: it is a directory,
-    or its folder cannot be made or written."""
-    if os.path.isdir(path):
+    or names one (ends in a separator), or its folder cannot be made or written."""
+    if os.path.isdir(path) or not os.path.basename(path):
         raise IsADirectoryError(f"{flag}={path} is a directory, not a file")
     check_writable(os.path.dirname(os.path.abspath(path)), f"{flag}={path}: its folder")

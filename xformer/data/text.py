@@ -125,11 +125,15 @@ def one_line(text: str) -> str:
     return LINE_BREAKS.sub(" ", text)
 
 
-def read_input_lines(path: str | Path) -> list[str]:
+def read_input_lines(path: str | Path, normalize: bool = True) -> list[str]:
     """The lines of a user's text file (plain or gzip, strict UTF-8), normalised by
-    ``normalize_line``; see the module docstring for the line contract. Raises ``ValueError``
-    naming the file, line and column of invalid UTF-8."""
+    ``normalize_line``; see the module docstring for the line contract. ``normalize=False``
+    keeps each line's text as written (references, scored as sacreBLEU reads them; prompts),
+    with the same lines and no BOM. Raises ``ValueError`` naming the file, line and column of
+    invalid UTF-8."""
     lines = split_lines(decode_utf8(read_bytes(path), path).removeprefix(BOM))
+    if not normalize:
+        return lines
     lone_cr = sum(line.count("\r") for line in lines)
     if lone_cr:
         logging.warning(
