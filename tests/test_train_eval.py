@@ -5,6 +5,7 @@ restores. (Resuming after a kill: test_reliability.py.)"""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -324,6 +325,16 @@ def test_a_resumed_run_restores_onto_shapes_alone(tmp_path, tfds_dir, multi30k_d
         return lambda count: calls.append(time.sleep(4.0) if not calls else None) or rate(count)
 
     monkeypatch.setattr(train_lib, "learning_rate_schedule", slow_first_rate)
+    from xformer.checkpoint import Checkpointer
+    from xformer.preemption import StopOnSignal
+
+    handlers_at_close, close = [], Checkpointer.close
+
+    def recorded_close(self):  # the last save is waited for with the signal handler installed
+        handlers_at_close.append(getattr(signal.getsignal(signal.SIGTERM), "__func__", None))
+        return close(self)
+
+    monkeypatch.setattr(Checkpointer, "close", recorded_close)
 
     config = config_lib.override(
         tiny_config(tfds_dir),
@@ -337,6 +348,7 @@ def test_a_resumed_run_restores_onto_shapes_alone(tmp_path, tfds_dir, multi30k_d
         },
     )
     assert train_and_evaluate(config, str(tmp_path))["step"] == 2
+    assert handlers_at_close == [StopOnSignal._handle]
     seconds = train_metric(tmp_path, "train_seconds")
     assert 0 < seconds[1] <= seconds[2] < 4.0  # the steps alone: no compiling, no first rate
 

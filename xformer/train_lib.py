@@ -515,21 +515,21 @@ def train_and_evaluate(
     def validate(step: int) -> dict:
         """Score data.eval_split, log it, and return {"val_<name>": value}."""
         nonlocal evaluating, validations
-        eval_start = time.time()
+        eval_start = time.monotonic()
         val, summary = task.evaluate(state["params"], rng_state)
         samples = val.pop("samples", None)
         val_row = {f"{config.data.eval_split}/{k}": v for k, v in val.items()}
         writer.write(step, {**val_row, "train/train_seconds": clock.seconds()})
         if samples:
             writer.write_text(step, "samples", samples)
-        evaluating += time.time() - eval_start
+        evaluating += time.monotonic() - eval_start
         validations += 1
         logging.info(
             "eval %s at step %d: %s (%.0fs)",
             config.data.eval_split,
             step,
             summary,
-            time.time() - eval_start,
+            time.monotonic() - eval_start,
         )
         return {f"val_{k}": v for k, v in val.items()}
 
@@ -615,7 +615,7 @@ def train_and_evaluate(
     eval_seconds = float(progress.get("eval_seconds", 0.0))  # validation passes, all starts
     nonfinite = NonfiniteSteps(t.nonfinite, int(progress.get("nonfinite_steps", 0)), step)
     clock = TrainClock(interval_start)  # from here: start-up and compilation are not training
-    start_time, start_step, pending, window = time.time(), step, [], DispatchWindow()
+    start_time, start_step, pending, window = time.monotonic(), step, [], DispatchWindow()
     batch, stopped = first, None
     profiler = StepProfiler(t.profile_steps, workdir, step, clock, compiled.as_text)
     several = jax.process_count() > 1  # then a signal stops all at a step they agree on
@@ -636,7 +636,7 @@ def train_and_evaluate(
             profiler.after_step(step, (state, metrics))
             sync_point = distributed.preemption_sync_point(step - start_step)  # (one: False)
             faults.stall_after_step(step, noticed, exp.checkpointer.wait)
-            budget_seconds = budget_before + time.time() - start_time - evaluating
+            budget_seconds = budget_before + time.monotonic() - start_time - evaluating
             signalled = sync_point if several else signals.requested()
             stopped = stop_reason(budget_seconds, t.max_train_seconds, signalled, step, t.log_every)
             done = step >= t.num_steps or stopped is not None
@@ -654,7 +654,12 @@ def train_and_evaluate(
                 train_seconds = clock.seconds()
                 dt = train_seconds - interval_start
                 remaining = eta_seconds(  # (timed after the sync: dispatch runs ahead)
-                    t, step, step - start_step, time.time() - start_time, evaluating, validations
+                    t,
+                    step,
+                    step - start_step,
+                    time.monotonic() - start_time,
+                    evaluating,
+                    validations,
                 )
                 if t.max_train_seconds:
                     remaining = min(remaining, t.max_train_seconds - budget_seconds)
@@ -708,7 +713,10 @@ def train_and_evaluate(
                 with clock.paused():
                     progress = {
                         "train_seconds": clock.seconds(),
-                        "budget_seconds": budget_before + time.time() - start_time - evaluating,
+                        "budget_seconds": budget_before
+                        + time.monotonic()
+                        - start_time
+                        - evaluating,
                         "eval_seconds": eval_seconds + evaluating,
                         "nonfinite_steps": nonfinite.total,
                         "pending_eval": eval_due or skipped_eval,
@@ -721,10 +729,14 @@ def train_and_evaluate(
             if done:
                 break
     finally:
-        signals.uninstall()
-        profiler.close()  # a run that stopped inside the range (time limit, error) keeps its trace
-        exp.checkpointer.close()  # waits for the last save; a diverged run saved nothing new
-        writer.close()
+        try:
+            profiler.close()  # a run that stopped inside the range (time limit, error) keeps it
+            # Waits for the last save, its signal handler still installed: a SIGTERM now (the
+            # end of a job, a signal delivered twice) does not kill the commit.
+            exp.checkpointer.close()  # (a diverged run saved nothing new)
+        finally:
+            writer.close()
+            signals.uninstall()
     finished = (step >= t.num_steps and stopped != "signal") or stopped == "max_train_seconds"
     if jax.process_index() == 0 and finished:
         reason = "num_steps" if step >= t.num_steps else "max_train_seconds"
