@@ -668,3 +668,19 @@ def test_validation_passes_do_not_spend_the_time_budget(tmp_path, tfds_dir):
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True)
     assert info["starts"][0]["commit"] == (head.stdout.decode().strip() or None)
     assert info["starts"][0]["command"][1] == "train.py" and info["num_params"] > 0
+
+
+def test_a_workdir_trained_by_another_train_py_is_refused(tmp_path, tfds_dir):
+    """Process 0 of a run holds the workdir's lock: a second start on it is one ConfigError
+    naming the holder, before it reads any data (it would delete the first's checkpoint writes
+    in progress and rewrite its metrics.jsonl)."""
+    from xformer import locks
+
+    config = translation.tiny_config(tfds_dir)
+    with locks.exclusive(str(tmp_path / train_lib.TRAIN_LOCK)) as taken_by:
+        assert taken_by is None
+        with pytest.raises(
+            config_lib.ConfigError, match=rf"is being trained by .*pid {os.getpid()}"
+        ):
+            train_lib.train_and_evaluate(config, str(tmp_path))
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()

@@ -1,5 +1,6 @@
 """The training loop: jit-compiled data-parallel steps, metrics, evaluation, checkpoints."""
 
+import contextlib
 import functools
 import glob
 import os
@@ -17,7 +18,7 @@ from jax.experimental import multihost_utils
 from jax.experimental.layout import Format, Layout
 
 from xformer import config as config_lib
-from xformer import distributed, faults, op_profile, provenance, sharding
+from xformer import distributed, faults, locks, op_profile, provenance, sharding
 from xformer import experiment as experiment_lib
 from xformer import flops as flops_lib
 from xformer.checkpoint import CheckpointMismatchError
@@ -446,10 +447,6 @@ def train_and_evaluate(
     (with "stopped": "signal", "max_train_seconds" or None). A workdir with checkpoints resumes
     only the same run (experiment.check_workdir) unless `accept_config_changes`; a config that
     cannot run raises config.ConfigError first."""
-    # Imported here: tensorboardX serves the loop only, not the users of train_step
-    # (bench/gpu_throughput.py runs where it is missing).
-    from xformer.metric_writer import MetricWriter
-
     try:
         config_lib.validate(config)
         experiment_lib.check_workdir(config, workdir, accept_config_changes)
@@ -457,6 +454,35 @@ def train_and_evaluate(
         distributed.check_preemption_service()
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from e
+    with _sole_trainer(workdir):
+        return _train(config, workdir)
+
+
+TRAIN_LOCK = ".train.lock"  # in the workdir: held by process 0 of the run training it
+
+
+@contextlib.contextmanager
+def _sole_trainer(workdir: str):
+    """Process 0 holds the workdir's lock (xformer/locks.py) for the run: a second train.py on
+    the same workdir (by hand, or beside a sweep's) is refused in one line, before it would
+    delete the first one's checkpoint writes in progress and rewrite its metrics."""
+    if jax.process_index() != 0:
+        yield
+        return
+    with locks.exclusive(os.path.join(workdir, TRAIN_LOCK)) as taken_by:
+        if taken_by is not None:
+            raise config_lib.ConfigError(
+                f"{workdir} is being trained by another train.py ({locks.describe(taken_by)}): "
+                "wait for it to stop, or train into another --workdir"
+            )
+        yield
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    # Imported here: tensorboardX serves the loop only, not the users of train_step
+    # (bench/gpu_throughput.py runs where it is missing).
+    from xformer.metric_writer import MetricWriter
+
     # A resumed run needs the vocabulary it was trained with: never a new one.
     task = make_task(config, workdir, train_if_missing=not experiment_lib.has_checkpoint(workdir))
     exp = task.exp
