@@ -684,3 +684,31 @@ def test_a_workdir_trained_by_another_train_py_is_refused(tmp_path, tfds_dir):
         ):
             train_lib.train_and_evaluate(config, str(tmp_path))
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_signal_at_the_step_that_spends_the_budget_leaves_the_last_validation_pending(
+    tmp_path, tfds_dir, monkeypatch
+):
+    """The signal skips the final validation of a run whose budget its step spent; the next
+    start finds the budget spent, trains nothing, and runs that validation (it marked the run
+    done without validation metrics)."""
+    from xformer.preemption import StopOnSignal
+
+    config = config_lib.override(
+        translation.tiny_config(tfds_dir),
+        {
+            "train.num_steps": 50,
+            "train.max_train_seconds": 1e-6,  # spent by the first step
+            "data.eval_split": "val[:8]",
+            "eval.batch_size": 8,
+            "eval.bleu_sentences": 8,
+        },
+    )
+    monkeypatch.setattr(StopOnSignal, "requested", lambda self: True)  # a signal at step 1
+    assert train_lib.train_and_evaluate(config, str(tmp_path))["stopped"] == "signal"
+    assert not (tmp_path / "done.json").exists()
+    monkeypatch.undo()
+    train_lib.train_and_evaluate(config, str(tmp_path))
+    done = json.loads((tmp_path / "done.json").read_text())
+    assert done["step"] == 1 and done["reason"] == "max_train_seconds"
+    assert {"val_nll", "val_lc_tok_bleu"} <= set(done["metrics"]), done["metrics"]

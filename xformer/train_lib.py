@@ -737,15 +737,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             skipped_eval = stopped == "signal" and (step % t.eval_every == 0 or step >= t.num_steps)
             if checkpoint_due:
                 with clock.paused():
+                    spent = budget_before + time.monotonic() - start_time - evaluating
+                    # (a signal at the step that spends the budget skips the run's final
+                    # validation too: the next start, finding the budget spent, runs it)
+                    final = bool(t.max_train_seconds) and spent >= t.max_train_seconds
                     progress = {
                         "train_seconds": clock.seconds(),
-                        "budget_seconds": budget_before
-                        + time.monotonic()
-                        - start_time
-                        - evaluating,
+                        "budget_seconds": spent,
                         "eval_seconds": eval_seconds + evaluating,
                         "nonfinite_steps": nonfinite.total,
-                        "pending_eval": eval_due or skipped_eval,
+                        "pending_eval": eval_due or skipped_eval or (stopped == "signal" and final),
                         "metrics": last_metrics,
                     }
                     exp.checkpointer.save(step, state, data_state, progress)
