@@ -533,6 +533,17 @@ def test_a_lock_probed_at_that_instant_is_not_taken(tmp_path, monkeypatch):
         assert locks.held() and json.loads(Path(path).read_text())["pid"] == os.getpid()
     assert not locks.held()
 
+    # Released while the last retry waited: the probe finds it free, and the job takes it.
+    def busy_through_the_retries(lock_path: str) -> int | None:
+        tries.append(lock_path)
+        return None if len(tries) <= locks.PROBE_RETRIES + 1 else try_lock(lock_path)
+
+    tries.clear()
+    monkeypatch.setattr(locks, "_try_lock", busy_through_the_retries)
+    monkeypatch.setattr(locks, "PROBE_RETRY_S", 0.0)
+    with locks.exclusive(path) as taken_by:
+        assert taken_by is None and locks.held()
+
 
 def test_a_points_command_keeps_its_lock_when_the_sweep_dies(tmp_path):
     """The sweep (here a stand-in) hands its point's lock to the train.py it starts: killed

@@ -78,8 +78,11 @@ def exclusive(path: str) -> Iterator[dict | None]:
         time.sleep(PROBE_RETRY_S)
         fd = _try_lock(path)
     if fd is None:
-        yield holder(path) or dict(_UNKNOWN)
-        return
+        taken_by = holder(path)
+        fd = _try_lock(path) if taken_by is None else None  # released meanwhile: take it
+        if fd is None:
+            yield taken_by or dict(_UNKNOWN)
+            return
     try:
         _sign(fd)
         _HELD.add(fd)

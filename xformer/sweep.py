@@ -426,12 +426,18 @@ def _run(
             # Checked again under the lock: another job may have finished it meanwhile.
             todo[name] = remaining(sweep.workdir(root, name), configs[name])
             echo(f"{label}: {_ACTIONS[len(todo[name])]}")
-            # A test result of earlier settings must not outlive an eval.py that is interrupted.
+            # A test result and HParams entry of earlier settings must not outlive an eval.py
+            # that is interrupted (a restart would find nothing to do and keep them).
             result = os.path.join(
                 sweep.workdir(root, name), f"eval_{configs[name].data.test_split}.json"
             )
-            if todo[name] and os.path.exists(result):
-                os.remove(result)
+            if todo[name]:
+                if os.path.exists(result):
+                    os.remove(result)
+                shutil.rmtree(
+                    os.path.join(sweep.workdir(root, name), "tensorboard", "hparams"),
+                    ignore_errors=True,
+                )
             for cmd in (train, evaluate)[2 - len(todo[name]) :]:
                 try:
                     returncode = launch.run(cmd, echo=echo).returncode
