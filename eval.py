@@ -209,13 +209,17 @@ def evaluation_settings(config) -> dict:
     language model's rows, which split its stream)."""
     if config.model.family == "decoder_only":
         return dataclasses.asdict(EvalSettings.from_config(config))
-    return {k: config.eval[k] for k in ("beam_size", "length_penalty")}
+    beam_size = config.eval.beam_size  # greedy search (beam 1) has no length penalty
+    return {
+        "beam_size": beam_size,
+        "length_penalty": config.eval.length_penalty if beam_size > 1 else None,
+    }
 
 
 def settings_tag(own: dict, given: dict) -> str:
     """ ".key=value,..." of the `given` settings that differ from the workdir's `own` ("" when
-    none), for the names of the files of a result."""
-    changed = ",".join(f"{k}={v}" for k, v in given.items() if own[k] != v)
+    none), for the names of the files of a result; a None (not applicable) is left out."""
+    changed = ",".join(f"{k}={v}" for k, v in given.items() if v is not None and own[k] != v)
     return "." + re.sub(r"[^A-Za-z0-9._=,+-]", "_", changed) if changed else ""
 
 
@@ -408,8 +412,7 @@ def evaluate_translation(config, workdir: str, tag: str) -> tuple[dict, str]:
         "stopped_at_length_cap": translations.hit_length_cap,
         "max_decode_extra": config.eval.max_decode_extra,
         "seconds": round(seconds, 2),
-        "beam_size": config.eval.beam_size,
-        "length_penalty": config.eval.length_penalty,
+        **evaluation_settings(config),  # beam_size, length_penalty (None for greedy search)
         "output": output,
         **dict(zip(("sources", "references"), aligned, strict=False)),
     }

@@ -174,9 +174,13 @@ def test_eval_py_translates_every_line_it_is_given(tmp_path, tfds_dir, multi30k_
     assert "Traceback" not in result.stderr and len(outputs) == len(out.read_text().split("\n"))
 
     # eval.py on a whole split reports both BLEU conventions for every sentence.
-    result = run(["eval.py", f"--workdir={workdir}", "--split=test_2017_mscoco", "--beam_size=1"])
+    # Greedy search has no length penalty: the flag changes neither the file names nor the
+    # report's settings (--compare would have flagged the same search as another setting).
+    split_flags = ["--split=test_2017_mscoco", "--beam_size=1", "--length_penalty=1.0"]
+    result = run(["eval.py", f"--workdir={workdir}", *split_flags])
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((workdir / "eval_test_2017_mscoco.beam_size=1.json").read_text())
+    assert report["beam_size"] == 1 and report["length_penalty"] is None
     assert report["output"].endswith(
         f"/translations/test_2017_mscoco.step{report['step']}.beam_size=1.de"
     )
