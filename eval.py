@@ -241,7 +241,10 @@ def compare(extra_workdirs: list[str]) -> None:
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"--compare: {e}")
     out = _COMPARE_OUT.value or compare_lib.default_out_dir(workdirs)
-    paths = compare_lib.write(comparison, out)
+    try:
+        paths = compare_lib.write(comparison, out)
+    except OSError as e:  # e.g. an unwritable --compare_out
+        sys.exit(f"--compare_out={out}: cannot write the comparison ({e})")
     print(compare_lib.to_markdown(comparison))
     print("wrote " + ", ".join(paths.values()))
 

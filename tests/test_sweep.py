@@ -406,6 +406,11 @@ def test_compare_the_two_runs(swept):
     assert all(f"| {name} |" in markdown for name in NAMES)
     assert markdown in result.stdout
     assert (root / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    blocked = root.parent / "a_file"  # a --compare_out that cannot be a directory: one line
+    blocked.write_text("")
+    refused = run(["eval.py", f"--compare={root}/*", f"--compare_out={blocked}/out"])
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert f"--compare_out={blocked}/out: cannot write the comparison" in refused.stderr
 
 
 def test_a_point_trained_with_another_config_is_not_finished(tmp_path):
