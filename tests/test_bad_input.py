@@ -111,6 +111,13 @@ def test_eval_flags_that_cannot_be_used_are_one_line(tmp_path):
             1,
             "train.py: --process_id, --accept_config_changes: for --config runs, not --sweep",
         ),
+        (
+            ["eval.py", f"--workdir={tmp_path}", "--distributed", "--coordinator_address=x:1"]
+            + ["--num_processes=2", "--process_id=2"],
+            1,
+            "eval.py: --distributed: process_id and num_processes must be nonnegative, with "
+            "process_id < num_processes",
+        ),
         (  # (an evaluation of 64 rows over 3 devices, checked before any data is read)
             ["eval.py", f"--workdir={tmp_path}", "--batch_size=64", "--xla_devices=3"],
             2,
@@ -253,6 +260,12 @@ def test_evaluation_mesh_fits_the_devices_it_runs_on():
         config_lib.check_devices(trained(2, 4, 1), 8, training=False)
     # sample.py and average.py read no evaluation batches: theirs is not checked.
     config_lib.check_devices(trained(2, 4, 1), 8, training=False, evaluating=False)
+    # Evaluation hands every process the whole batch: a tensor axis across processes that
+    # would split training's row blocks unevenly does not matter there.
+    uneven = trained(2, 1, 3)
+    with pytest.raises(ValueError, match="splits the row shards"):
+        config_lib.check_devices(uneven, 6, 3)
+    config_lib.check_devices(uneven, 6, 3, training=False)
     for flag, message in (
         ("2,2", "give three integer sizes"),
         ("a,1,1", "give three integer sizes"),

@@ -126,3 +126,13 @@ def test_resumed_run_traces_the_rest_of_the_range(tmp_path, caplog):
     (_,), (perfetto,) = trace_files(tmp_path / "stopped")
     assert traced_steps(perfetto) == {2, 3}
     assert "profile of steps 2:4 written to" in caplog.text
+
+
+def test_each_process_traces_into_its_own_folder(tmp_path, monkeypatch):
+    """JAX names a trace's run folder by the second: processes stopping at one step on a
+    shared disk would share it, and its perfetto export raises on a second host's trace."""
+    assert StepProfiler("1:2", str(tmp_path), 0, TrainClock()).log_dir == str(tmp_path / "profile")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    profiler = StepProfiler("1:2", str(tmp_path), 0, TrainClock())
+    assert profiler.log_dir == str(tmp_path / "profile" / "process_1")

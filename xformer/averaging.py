@@ -15,7 +15,7 @@ def steps_to_average(exp: Experiment, last: int, until: int | None = None) -> li
     latest). Raises ValueError naming the steps kept and the config key that keeps more."""
     if last < 1:
         raise ValueError(f"average the last N >= 1 checkpoints, not {last}")
-    kept = sorted(exp.checkpointer.manager.all_steps())
+    kept = exp.checkpointer.steps()
     if until is not None:
         if until not in kept:
             raise ValueError(f"no checkpoint {until} in {exp.workdir} (it holds {kept or 'none'})")

@@ -70,6 +70,12 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The committed steps as process 0 lists them, on every process: the processes of an
+        evaluation agree on the checkpoint to read while a training run commits more."""
+        mine = sorted(self.manager.all_steps()) if jax.process_index() == 0 else None
+        return distributed.allgather_json(mine)[0]
+
     def remove_unfinished_writes(self) -> None:
         """Delete the temporary directories of writes a killed start left (a signal's checkpoint
         at an irregular step is never written again to replace its own) and the checkpoints it

@@ -28,9 +28,12 @@ def initialize_if_requested(training: bool) -> None:
     """Join the job when --distributed is given (`training`: see distributed.initialize); a
     usage error for its flags without it."""
     if DISTRIBUTED.value:
-        distributed.initialize(
-            COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, training=training
-        )
+        try:
+            distributed.initialize(
+                COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, training=training
+            )
+        except ValueError as e:  # JAX's check of the flags, e.g. a process id out of range
+            raise app.UsageError(f"--distributed: {e}") from None
     elif given():
         raise app.UsageError(
             "--coordinator_address, --num_processes, --process_id need --distributed"

@@ -18,7 +18,7 @@ def checkpoint_step(exp: Experiment, step: int | None = None) -> int:
     """`step` (default: the latest) if exp.workdir holds that checkpoint. Raises
     FileNotFoundError naming the checkpoints there when there is none or not that step."""
     directory = exp.checkpointer.manager.directory
-    steps = sorted(exp.checkpointer.manager.all_steps())
+    steps = exp.checkpointer.steps()
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {directory}: train.py writes them")
     if step is not None and step not in steps:

@@ -243,7 +243,9 @@ class StepProfiler:
     """A jax.profiler trace of the train steps whose step counter is in [start, stop)
     (train.profile_steps "start:stop"), written to <workdir>/profile/plugins/profile/<time>/:
     <host>.xplane.pb for TensorBoard's profile plugin (`tensorboard --logdir <workdir>`) and
-    perfetto_trace.json.gz for ui.perfetto.dev. Every traced step is a finished step: the trace
+    perfetto_trace.json.gz for ui.perfetto.dev (with several processes, each under
+    profile/process_<i>/: on a shared disk they would share one folder, which JAX's perfetto
+    export refuses). Every traced step is a finished step: the trace
     starts once the earlier steps are done and stops once the last traced step's outputs are.
 
     A run resumed at step k with start < k < stop traces the rest of the range, [k, stop); one
@@ -260,6 +262,8 @@ class StepProfiler:
         program_text: Callable[[], str] | None = None,
     ):
         self.log_dir = os.path.join(workdir, PROFILE_DIR)
+        if jax.process_count() > 1:  # JAX names a trace's folder by the second: one each
+            self.log_dir = os.path.join(self.log_dir, f"process_{jax.process_index()}")
         self.clock, self.tracing, self.program_text = clock, False, program_text
         self.start = self.stop = self.done = -1  # done: the counter after the last traced step
         steps = config_lib.profile_range(profile_steps)
@@ -466,10 +470,10 @@ def _sole_trainer(workdir: str):
     """Process 0 holds the workdir's lock (xformer/locks.py) for the run: a second train.py on
     the same workdir (by hand, or beside a sweep's) is refused in one line, before it would
     delete the first one's checkpoint writes in progress and rewrite its metrics."""
-    if jax.process_index() != 0:
-        yield
-        return
-    with locks.exclusive(os.path.join(workdir, TRAIN_LOCK)) as taken_by:
+    path = os.path.join(workdir, TRAIN_LOCK)
+    lock = locks.exclusive(path) if jax.process_index() == 0 else contextlib.nullcontext()
+    with lock as taken_by:
+        taken_by = distributed.allgather_json(taken_by)[0]  # every process stops, not only 0
         if taken_by is not None:
             raise config_lib.ConfigError(
                 f"{workdir} is being trained by another train.py ({locks.describe(taken_by)}): "
