@@ -442,6 +442,11 @@ def main():
             "matmuls only": mm,
         }
         sides = {name: side for name, side in sides.items() if side is not None}
+        if tf is not None:  # the same model on both sides, or the comparison means nothing
+            ours = sum(int(x.size) for x in jax.tree.leaves(xf.state["params"]))
+            theirs = sum(p.numel() for p in tf.model.parameters())
+            if ours != theirs:
+                raise SystemExit(f"parameters: xformer {ours:,} against PyTorch {theirs:,}")
         for side in sides.values():
             side.run(args.warmup)
         reserve_heap(args.heap_reserve_gib)
