@@ -493,10 +493,10 @@ def check_devices(
     for key, rows in batches.items():
         if rows % shards:
             raise ValueError(f"{key}={rows} must be divisible by {where}")
-    if not training:  # evaluation hands every process the whole batch: no row blocks
-        return
     owners = np.arange(num_devices).reshape(sizes) // (num_devices // num_processes)
     _, readers = sharding.row_blocks(owners)
+    if not training:
+        return
     if (t.batch_size // t.grad_accum_steps) % shards:
         raise ValueError(
             f"a micro-batch of train.batch_size / train.grad_accum_steps = {t.batch_size} / "
