@@ -646,6 +646,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     nonfinite = NonfiniteSteps(t.nonfinite, int(progress.get("nonfinite_steps", 0)), step)
     clock = TrainClock(interval_start)  # from here: start-up and compilation are not training
     start_time, start_step, pending, window = time.monotonic(), step, [], DispatchWindow()
+
+    def budget_spent() -> float:
+        """train.max_train_seconds spent: every start's loop so far, validations excluded."""
+        return budget_before + time.monotonic() - start_time - evaluating
+
     batch, stopped = first, None
     profiler = StepProfiler(t.profile_steps, workdir, step, clock, compiled.as_text)
     several = jax.process_count() > 1  # then a signal stops all at a step they agree on
@@ -666,7 +671,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             profiler.after_step(step, (state, metrics))
             sync_point = distributed.preemption_sync_point(step - start_step)  # (one: False)
             faults.stall_after_step(step, noticed, exp.checkpointer.wait)
-            budget_seconds = budget_before + time.monotonic() - start_time - evaluating
+            budget_seconds = budget_spent()
             signalled = sync_point if several else signals.requested()
             stopped = stop_reason(budget_seconds, t.max_train_seconds, signalled, step, t.log_every)
             done = step >= t.num_steps or stopped is not None
@@ -736,21 +741,20 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             eval_due = (step % t.eval_every == 0 or done) and stopped != "signal"
             if checkpoint_due or eval_due:
                 jax.block_until_ready(state)  # the steps so far count as training time
-            # The checkpoint notes the validation due after it (or skipped by a signal): a start
-            # killed before that validation logged its row runs it on resuming.
-            skipped_eval = stopped == "signal" and (step % t.eval_every == 0 or step >= t.num_steps)
             if checkpoint_due:
                 with clock.paused():
-                    spent = budget_before + time.monotonic() - start_time - evaluating
-                    # (a signal at the step that spends the budget skips the run's final
-                    # validation too: the next start, finding the budget spent, runs it)
-                    final = bool(t.max_train_seconds) and spent >= t.max_train_seconds
+                    spent = budget_spent()
+                    # The checkpoint notes the validation due after it, or skipped by a signal
+                    # (at an eval step, the last step or the step that spent the budget): a
+                    # start killed before that validation logged its row runs it on resuming.
+                    last = step >= t.num_steps or 0 < t.max_train_seconds <= spent
+                    skipped_eval = stopped == "signal" and (step % t.eval_every == 0 or last)
                     progress = {
                         "train_seconds": clock.seconds(),
                         "budget_seconds": spent,
                         "eval_seconds": eval_seconds + evaluating,
                         "nonfinite_steps": nonfinite.total,
-                        "pending_eval": eval_due or skipped_eval or (stopped == "signal" and final),
+                        "pending_eval": eval_due or skipped_eval,
                         "metrics": last_metrics,
                     }
                     exp.checkpointer.save(step, state, data_state, progress)
